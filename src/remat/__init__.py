@@ -1,0 +1,1 @@
+"""remat: train language models in less memory by recomputing per-layer intermediates."""

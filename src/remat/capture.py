@@ -1,0 +1,226 @@
+"""Capture: trace one whole training step (forward, loss, backward) into a TrainGraph.
+
+`make_fx` records the aten ops of a step that computes the loss and calls
+`torch.autograd.grad`, so forward and backward land in one fx graph, in the order
+they ran. The forward/backward boundary is the last node recorded before the
+backward starts; it is read off the tracer at that moment, not guessed later.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import fx, nn
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.fx.experimental.proxy_tensor import get_proxy_mode, make_fx
+
+from remat.marks import mark_layer_outputs, mark_name
+
+ROLES = ("trainable", "frozen", "buffer", "input")
+
+
+@dataclass
+class TrainGraph:
+    """A traced train step: `gm(*trainable, *frozen, *buffers, *inputs) -> (loss, *grads)`."""
+
+    gm: fx.GraphModule
+    roles: list[str]  # one per placeholder, in order: see ROLES
+    names: list[str]  # one per placeholder: parameter / buffer / input name
+    boundary: fx.Node  # the last forward node
+    info: dict = field(default_factory=dict)  # options the graph was traced with
+
+    @property
+    def graph(self) -> fx.Graph:
+        return self.gm.graph
+
+    def placeholders(self) -> list[fx.Node]:
+        return [n for n in self.graph.nodes if n.op == "placeholder"]
+
+    def forward_nodes(self) -> list[fx.Node]:
+        nodes = []
+        for n in self.graph.nodes:
+            nodes.append(n)
+            if n is self.boundary:
+                return nodes
+        raise AssertionError("boundary node is not in the graph")
+
+    def forward_set(self) -> set[fx.Node]:
+        return set(self.forward_nodes())
+
+    def marks(self) -> dict[fx.Node, str]:
+        return {n: name for n in self.graph.nodes if (name := mark_name(n)) is not None}
+
+    def __call__(self, *args: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        loss, *grads = self.gm(*args)
+        return loss, grads
+
+
+def causal_lm_loss(model: nn.Module, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Token-weighted mean cross-entropy over targets (labels == -100 are ignored)."""
+    logits = model(input_ids=input_ids, attention_mask=causal_mask(model, input_ids), use_cache=False).logits
+    return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), ignore_index=-100)
+
+
+def causal_mask(model: nn.Module, input_ids: torch.Tensor) -> torch.Tensor | dict:
+    """An explicit causal mask, so eager and traced runs take the same attention kernel.
+
+    Left to itself, transformers inspects position ids with data-dependent checks that
+    answer differently under tracing than in eager mode (a packed-sequence mask vs
+    `is_causal`), and the two graphs would differ numerically.
+    """
+    n = input_ids.shape[-1]
+    mask = torch.ones(n, n, dtype=torch.bool, device=input_ids.device).tril()[None, None]
+    layer_types = getattr(model.config, "layer_types", None) or []
+    if "linear_attention" in layer_types:  # hybrid models take one mask per layer type
+        return {"full_attention": mask, "linear_attention": None}
+    return mask
+
+
+@dataclass
+class StepInputs:
+    """The model's tensors split by role, in the placeholder order of the traced graph."""
+
+    trainable: dict[str, torch.Tensor]
+    frozen: dict[str, torch.Tensor]
+    buffers: dict[str, torch.Tensor]
+
+    @classmethod
+    def of(cls, model: nn.Module) -> StepInputs:
+        trainable, frozen = {}, {}
+        for name, p in model.named_parameters():  # tied weights appear once
+            (trainable if p.requires_grad else frozen)[name] = p
+        return cls(trainable, frozen, dict(model.named_buffers()))
+
+    def args(self, *batch: torch.Tensor) -> list[torch.Tensor]:
+        return [*self.trainable.values(), *self.frozen.values(), *self.buffers.values(), *batch]
+
+
+traces = itertools.count()  # next(traces) counts traces; tests read it through trace_count()
+_trace_count = 0
+
+
+def trace_count() -> int:
+    return _trace_count
+
+
+def ensure_marked(model: nn.Module) -> None:
+    if not getattr(model, "_remat_marked", False):
+        mark_layer_outputs(model)
+        model._remat_marked = True
+
+
+def capture(model: nn.Module, input_ids: torch.Tensor, labels: torch.Tensor, *, fake: bool = True) -> TrainGraph:
+    """Trace the train step of `model` on a batch of this shape into a TrainGraph.
+
+    With `fake=True` nothing of the step is computed: tensors are FakeTensors, and each
+    node's `meta["val"]` carries shape, dtype and strides for the planner.
+    """
+    global _trace_count
+    ensure_marked(model)
+    tensors = StepInputs.of(model)
+    if not tensors.trainable:
+        raise ValueError("the model has no trainable parameters")
+    names = [*tensors.trainable, *tensors.frozen, *tensors.buffers, "input_ids", "labels"]
+    roles = (
+        ["trainable"] * len(tensors.trainable)
+        + ["frozen"] * len(tensors.frozen)
+        + ["buffer"] * len(tensors.buffers)
+        + ["input", "input"]
+    )
+    n_train = len(tensors.trainable)
+    state_names = names[:-2]
+    boundary: list[fx.Node] = []
+
+    def step(*args: torch.Tensor):
+        state = dict(zip(state_names, args[:-2]))
+        loss = torch.func.functional_call(model, state, (), {"input_ids": args[-2], "labels": args[-1]},
+                                          tie_weights=False, strict=True) if False else _loss(state, *args[-2:])
+        boundary.append(list(get_proxy_mode().tracer.graph.nodes)[-1])
+        grads = torch.autograd.grad(loss, args[:n_train])
+        return (loss, *grads)
+
+    def _loss(state, ids, lab):
+        return torch.func.functional_call(_LossModule(model), {f"model.{k}": v for k, v in state.items()},
+                                          (ids, lab))
+
+    example = tensors.args(input_ids, labels)
+    with torch.enable_grad():
+        if fake:
+            mode = EagerStridesFakeMode(allow_non_fake_inputs=True)
+            example = [mode.from_tensor(t) for t in example]
+            with mode:
+                gm = make_fx(step)(*example)
+        else:
+            gm = make_fx(step)(*example)
+    _trace_count += 1
+    return TrainGraph(gm=gm, roles=roles, names=names, boundary=boundary[0],
+                      info={"shapes": tuple(input_ids.shape)})
+
+
+class EagerStridesFakeMode(FakeTensorMode):
+    """Fake tensors laid out the way the real CPU kernels lay them out.
+
+    A few of PyTorch's fake kernels are Python decompositions whose output strides
+    differ from the eager kernel's (`softplus_backward` follows its second operand,
+    eager follows the first). A traced `reshape` then becomes a `view` that fails at
+    run time, or a copy eager never made. `tests/test_capture.py` checks every node's
+    strides against a real run, so a new mismatch shows up there.
+    """
+
+    _same_layout_as = {
+        # pointwise binary op on (grad_output, self): eager's TensorIterator layout
+        torch.ops.aten.softplus_backward.default: torch.ops.aten.mul.Tensor,
+    }
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func in self._same_layout_as:
+            with self:
+                return self._same_layout_as[func](args[0], args[1])
+        return super().__torch_dispatch__(func, types, args, kwargs)
+
+
+class _LossModule(nn.Module):
+    def __init__(self, model: nn.Module):
+        super().__init__()
+        self.model = model
+
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        return causal_lm_loss(self.model, input_ids, labels)
+
+
+def interpret(gm: fx.GraphModule, args: list, *, on_node=None, keep: set[fx.Node] = frozenset()) -> list:
+    """Run `gm` node by node, freeing each value after its last use (unless in `keep`).
+
+    `on_node(node, value, env)` sees every value as it is made. This is the slow path
+    used to observe a run (measured memory, verify mode); training calls `gm` itself.
+    """
+    nodes = list(gm.graph.nodes)
+    last_use: dict[fx.Node, int] = {}
+    for i, n in enumerate(nodes):
+        for a in n.all_input_nodes:
+            last_use[a] = i
+    dies_at: dict[int, list[fx.Node]] = {}
+    for n, i in last_use.items():
+        if n not in keep:
+            dies_at.setdefault(i, []).append(n)
+    env: dict[fx.Node, object] = {}
+    it = iter(args)
+    for i, n in enumerate(nodes):
+        if n.op == "placeholder":
+            env[n] = next(it)
+        elif n.op == "output":
+            return list(fx.node.map_arg(n.args[0], env.__getitem__))
+        else:
+            a, kw = fx.node.map_arg((n.args, n.kwargs), env.__getitem__)
+            target = getattr(gm, n.target) if n.op == "get_attr" else n.target
+            env[n] = target(*a, **kw)
+        if on_node is not None:
+            on_node(n, env[n], env)
+        if not n.users and n not in keep:
+            del env[n]
+        for dead in dies_at.get(i, ()):
+            env.pop(dead, None)
+    raise AssertionError("graph has no output")

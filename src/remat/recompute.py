@@ -1,0 +1,179 @@
+"""The recompute rewrite: keep one checkpoint per layer, recompute the rest before backward.
+
+Rules (shared/DESIGN.md §3), all in this file:
+1. saved: forward nodes that some backward node reads.
+2. kept (never recomputed): placeholders; marks whose name starts with the prefix;
+   random ops; ops that write in place or have side effects; and any node that reads a
+   root buffer (directly or through views) which an in-place op writes later in the
+   graph: recomputed in backward, it would read the advanced value.
+3. every saved, non-kept node is replaced, for its backward users, by a memoised clone
+   computed from kept nodes, placed just before its first backward consumer; clones
+   placed before one consumer go in their original forward order.
+4. outputs untouched: the same values, bitwise.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass
+
+import torch
+from torch import fx
+
+from remat import alias
+from remat.capture import TrainGraph, interpret
+from remat.marks import mark_name
+
+CLONE_OF = "remat_clone_of"  # node.meta key: the original a clone recomputes
+
+
+def keep_reasons(tg: TrainGraph, prefix: str = "l_out") -> dict[fx.Node, str]:
+    """Every forward node that must not be recomputed, with why."""
+    graph = tg.graph
+    pos = {n: i for i, n in enumerate(graph.nodes)}
+    root = alias.roots(graph)
+    writes = alias.writes_by_root(graph, root)
+    reasons: dict[fx.Node, str] = {}
+    for n in tg.forward_nodes():
+        name = mark_name(n)
+        if n.op != "call_function":
+            reasons[n] = n.op  # placeholder, get_attr
+        elif name is not None and name.startswith(prefix):
+            reasons[n] = "prefix"
+        elif alias.is_random(n):
+            reasons[n] = "random"
+        elif alias.is_mutating(n):
+            reasons[n] = "in-place"
+        elif any(w > pos[n] for r in alias.reads(n, root) for w in writes.get(r, ())):
+            reasons[n] = "reads-mutated-root"
+    return reasons
+
+
+def saved_nodes(tg: TrainGraph) -> list[fx.Node]:
+    fwd = tg.forward_set()
+    return [n for n in tg.forward_nodes() if any(u not in fwd for u in n.users)]
+
+
+def rewrite(tg: TrainGraph, checkpoint_prefix: str = "l_out") -> TrainGraph:
+    """A new TrainGraph whose backward reads only kept forward nodes and recompute clones."""
+    kept = keep_reasons(tg, checkpoint_prefix)
+    forward = tg.forward_nodes()
+    fwd_index = {n: i for i, n in enumerate(forward)}
+    new = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}  # original -> its copy in the new graph
+    clones: dict[fx.Node, fx.Node] = {}  # original forward node -> its recompute clone
+
+    for n in forward:
+        env[n] = new.node_copy(n, env.__getitem__)
+
+    def recomputed(n: fx.Node) -> fx.Node:
+        return env[n] if n in kept else clones[n]
+
+    def needed(n: fx.Node, acc: set[fx.Node]) -> None:
+        # the not-yet-cloned, non-kept forward ancestors of n (n included)
+        stack = [n]
+        while stack:
+            m = stack.pop()
+            if m in kept or m in clones or m in acc:
+                continue
+            acc.add(m)
+            stack.extend(m.all_input_nodes)
+
+    for n in list(tg.graph.nodes)[len(forward):]:
+        todo: set[fx.Node] = set()
+        for a in n.all_input_nodes:
+            if a in fwd_index:
+                needed(a, todo)
+        for m in sorted(todo, key=fwd_index.__getitem__):
+            clones[m] = new.node_copy(m, recomputed)
+            clones[m].meta[CLONE_OF] = m.name
+        env[n] = new.node_copy(n, lambda a: recomputed(a) if a in fwd_index else env[a])
+
+    gm = fx.GraphModule(tg.gm, new)
+    boundary = env[tg.boundary]
+    return TrainGraph(gm=gm, roles=tg.roles, names=tg.names, boundary=boundary,
+                      info={**tg.info, "recompute": checkpoint_prefix})
+
+
+@dataclass
+class Explanation:
+    kept: dict[str, str]  # saved node name -> reason it is kept
+    counts: dict[str, Counter]  # reason -> op counts, over saved kept nodes
+    recomputed: Counter  # op counts of the saved nodes that get recomputed
+
+    def format(self) -> str:
+        lines = [f"kept across the backward: {len(self.kept)} nodes"]
+        for reason, ops in sorted(self.counts.items()):
+            lines.append(f"  {reason}: {sum(ops.values())}")
+            lines += [f"    {op}: {c}" for op, c in ops.most_common()]
+        lines.append(f"recomputed: {sum(self.recomputed.values())} nodes")
+        lines += [f"    {op}: {c}" for op, c in self.recomputed.most_common()]
+        return "\n".join(lines)
+
+
+def _op(n: fx.Node) -> str:
+    return str(n.target) if n.op == "call_function" else n.op
+
+
+def explain(tg: TrainGraph, checkpoint_prefix: str = "l_out") -> Explanation:
+    """What the rewrite keeps alive into the backward (and why), and what it recomputes."""
+    reasons = keep_reasons(tg, checkpoint_prefix)
+    kept, counts, recomputed = {}, {}, Counter()
+    for n in saved_nodes(tg):
+        if n in reasons:
+            kept[n.name] = reasons[n]
+            counts.setdefault(reasons[n], Counter())[_op(n)] += 1
+        else:
+            recomputed[_op(n)] += 1
+    return Explanation(kept, counts, recomputed)
+
+
+@dataclass
+class Difference:
+    node: str
+    op: str
+    mark: str | None  # the layer: the first mark at or after the original in forward order
+    shape: list[int]
+    max_abs_diff: float
+
+
+@dataclass
+class VerifyResult:
+    clones: int
+    first_difference: Difference | None
+
+    @property
+    def equal(self) -> bool:
+        return self.first_difference is None
+
+
+def verify(tg: TrainGraph, args: list[torch.Tensor]) -> VerifyResult:
+    """Run a rewritten graph, comparing each clone with its original (kept alive for it)."""
+    nodes = {n.name: n for n in tg.graph.nodes}
+    pairs = {n: nodes[n.meta[CLONE_OF]] for n in tg.graph.nodes if CLONE_OF in n.meta}
+    next_mark, upcoming = {}, None
+    for n in reversed(tg.forward_nodes()):
+        upcoming = mark_name(n) or upcoming
+        next_mark[n] = upcoming
+    first: list[Difference] = []
+
+    def check(node: fx.Node, value: object, env: dict) -> None:
+        if node not in pairs or first:
+            return
+        original = env[pairs[node]]
+        for a, b in zip(_tensors(value), _tensors(original)):
+            if not torch.equal(a, b):
+                diff = (a.double() - b.double()).abs().max().item() if a.shape == b.shape else float("inf")
+                first.append(Difference(node.name, _op(node), next_mark[pairs[node]], list(a.shape), diff))
+                return
+
+    interpret(tg.gm, args, on_node=check, keep=set(pairs.values()))
+    return VerifyResult(len(pairs), first[0] if first else None)
+
+
+def _tensors(value: object) -> list[torch.Tensor]:
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, (list, tuple)):
+        return [t for v in value for t in _tensors(v)]
+    return []
