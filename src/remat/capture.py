@@ -191,12 +191,19 @@ class _LossModule(nn.Module):
         return causal_lm_loss(self.model, input_ids, labels)
 
 
-def interpret(gm: fx.GraphModule, args: list, *, on_node=None, keep: set[fx.Node] = frozenset()) -> list:
+def interpret(gm: fx.GraphModule, args: list, *, on_node=None, on_free=None,
+              keep: set[fx.Node] = frozenset()) -> list:
     """Run `gm` node by node, freeing each value after its last use (unless in `keep`).
 
-    `on_node(node, value, env)` sees every value as it is made. This is the slow path
-    used to observe a run (measured memory, verify mode); training calls `gm` itself.
+    `on_node(node, value, env)` sees every value as it is made, `on_free(node, value)` as
+    it is dropped. This is the slow path used to observe a run (measured memory, verify
+    mode); training calls `gm` itself, which frees values at the same points.
     """
+    def drop(n: fx.Node) -> None:
+        value = env.pop(n)
+        if on_free is not None:
+            on_free(n, value)
+
     nodes = list(gm.graph.nodes)
     last_use: dict[fx.Node, int] = {}
     for i, n in enumerate(nodes):
@@ -220,7 +227,7 @@ def interpret(gm: fx.GraphModule, args: list, *, on_node=None, keep: set[fx.Node
         if on_node is not None:
             on_node(n, env[n], env)
         if not n.users and n not in keep:
-            del env[n]
+            drop(n)
         for dead in dies_at.get(i, ()):
-            env.pop(dead, None)
+            drop(dead)
     raise AssertionError("graph has no output")

@@ -1,0 +1,175 @@
+"""Memory: plan a TrainGraph's bytes by category before anything is allocated, and measure a run.
+
+The planner walks the node order with each node's fake tensor (shape, dtype, strides,
+storage). A node's output storage is allocated when the node runs and freed after the
+last use of any node that aliases it (views and in-place results share their base's
+storage). `graph` is the peak of those graph-allocated bytes during forward+backward.
+Parameters, inputs and the step's outputs (loss, grads) are counted in their own
+categories, never in `graph`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+import torch
+from torch import fx
+from torch.multiprocessing.reductions import StorageWeakRef
+
+from remat.capture import TrainGraph, interpret
+
+MiB = 1 << 20
+
+
+@dataclass
+class Plan:
+    params: int  # trainable parameters
+    frozen: int  # frozen parameters and buffers
+    grads: int
+    optimizer: int  # AdamW: two fp32 states per trainable element
+    graph: int  # peak of graph-allocated tensors during forward + backward
+    cache: int = 0  # walk path: KV cache and recurrent state
+
+    @property
+    def total(self) -> int:
+        return self.params + self.frozen + self.grads + self.optimizer + self.graph + self.cache
+
+    def as_dict(self) -> dict[str, int]:
+        return {**asdict(self), "total": self.total}
+
+
+def _tensors(value: object) -> list[torch.Tensor]:
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, (list, tuple)):
+        return [t for v in value for t in _tensors(v)]
+    return []
+
+
+def _storages(node: fx.Node) -> list[StorageWeakRef]:
+    return [StorageWeakRef(t.untyped_storage()) for t in _tensors(node.meta.get("val"))]
+
+
+def _nbytes(ref: StorageWeakRef, node: fx.Node) -> int:
+    for t in _tensors(node.meta.get("val")):
+        if StorageWeakRef(t.untyped_storage()) == ref:
+            return t.untyped_storage().nbytes()
+    raise AssertionError("storage not found")
+
+
+def _output_nodes(graph: fx.Graph) -> list[fx.Node]:
+    out = next(n for n in reversed(graph.nodes) if n.op == "output")
+    return list(out.all_input_nodes)
+
+
+def graph_peak(tg: TrainGraph) -> int:
+    """Peak live bytes of graph-allocated storages over the node order."""
+    nodes = list(tg.graph.nodes)
+    excluded = {s for n in nodes if n.op == "placeholder" for s in _storages(n)}
+    excluded |= {s for n in _output_nodes(tg.graph) for s in _storages(n)}
+    last_use: dict[StorageWeakRef, int] = {}
+    size: dict[StorageWeakRef, int] = {}
+    pos = {n: i for i, n in enumerate(nodes)}
+    for n in nodes:
+        dies = max([pos[n]] + [pos[u] for u in n.users])
+        for s in _storages(n):
+            if s in excluded:
+                continue
+            last_use[s] = max(last_use.get(s, 0), dies)
+            size.setdefault(s, _nbytes(s, n))
+    frees_at: dict[int, list[StorageWeakRef]] = {}
+    for s, i in last_use.items():
+        frees_at.setdefault(i, []).append(s)
+    live = peak = 0
+    allocated: set[StorageWeakRef] = set()
+    for i, n in enumerate(nodes):
+        for s in _storages(n):
+            if s in size and s not in allocated:
+                allocated.add(s)
+                live += size[s]
+        peak = max(peak, live)
+        live -= sum(size[s] for s in frees_at.get(i, ()))
+    return peak
+
+
+def _role_bytes(tg: TrainGraph, role: str) -> int:
+    return sum(
+        t.untyped_storage().nbytes()
+        for n, r in zip(tg.placeholders(), tg.roles)
+        if r == role
+        for t in _tensors(n.meta.get("val"))
+    )
+
+
+def plan(tg: TrainGraph, *, cache: int = 0) -> Plan:
+    """Bytes by category for running `tg` as a training step with AdamW."""
+    trainable = [t for n, r in zip(tg.placeholders(), tg.roles) if r == "trainable" for t in _tensors(n.meta["val"])]
+    params = sum(t.numel() * t.element_size() for t in trainable)
+    return Plan(
+        params=params,
+        frozen=_role_bytes(tg, "frozen") + _role_bytes(tg, "buffer"),
+        grads=params,
+        optimizer=sum(2 * t.numel() * 4 for t in trainable),
+        graph=graph_peak(tg),
+        cache=cache,
+    )
+
+
+@dataclass
+class Measured:
+    graph: int  # peak live bytes of graph-allocated storages, observed
+    cuda_max_allocated: int | None = None
+
+    def as_dict(self) -> dict[str, int]:
+        d = {"graph": self.graph}
+        if self.cuda_max_allocated is not None:
+            d["cuda_max_allocated"] = self.cuda_max_allocated
+        return d
+
+
+def measure(tg: TrainGraph, args: list[torch.Tensor]) -> tuple[list, Measured]:
+    """Run the step once, tracking real storages as they are made and dropped.
+
+    Returns the graph's outputs and the observed peak of graph-allocated bytes, with
+    inputs and the step's outputs (loss, grads) left out exactly as the planner does.
+    """
+    inputs = {t.untyped_storage().data_ptr() for t in args}
+    refs: dict[int, int] = {}  # storage data_ptr -> live values holding it
+    ident: dict[int, int] = {}  # storage data_ptr -> allocation id (pointers get reused)
+    events: list[tuple[int, int]] = []  # (allocation id, +bytes / -bytes), in order
+    counter = iter(range(1 << 62))
+
+    def made(node: fx.Node, value: object, env: dict) -> None:
+        for t in _tensors(value):
+            p = t.untyped_storage().data_ptr()
+            if p in inputs or t.untyped_storage().nbytes() == 0:
+                continue
+            if refs.get(p, 0) == 0:
+                ident[p] = next(counter)
+                events.append((ident[p], t.untyped_storage().nbytes()))
+            refs[p] = refs.get(p, 0) + 1
+        events.append((-1, 0))  # a sampling point: after each node, before frees
+
+    def freed(node: fx.Node, value: object) -> None:
+        for t in _tensors(value):
+            p = t.untyped_storage().data_ptr()
+            if p not in refs:
+                continue
+            refs[p] -= 1
+            if refs[p] == 0:
+                del refs[p]
+                events.append((ident[p], -t.untyped_storage().nbytes()))
+
+    cuda = any(t.is_cuda for t in args)
+    if cuda:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+    outputs = interpret(tg.gm, args, on_node=made, on_free=freed)
+    outs = {ident[p] for t in _tensors(outputs) if (p := t.untyped_storage().data_ptr()) in ident}
+    live = peak = 0
+    for i, b in events:
+        if i not in outs:
+            live += b
+            peak = max(peak, live)
+    cuda_max = torch.cuda.max_memory_allocated() if cuda else None
+    return outputs, Measured(graph=peak, cuda_max_allocated=cuda_max)
