@@ -14,8 +14,12 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 from torch import fx, nn
-from torch._subclasses.fake_tensor import FakeTensorMode
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.fx.experimental.proxy_tensor import get_proxy_mode, make_fx
+
+from transformers import AttentionInterface
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import AttentionMaskInterface
 
 from remat.marks import mark_layer_outputs, mark_name
 
@@ -60,23 +64,9 @@ class TrainGraph:
 
 def causal_lm_loss(model: nn.Module, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     """Token-weighted mean cross-entropy over targets (labels == -100 are ignored)."""
-    logits = model(input_ids=input_ids, attention_mask=causal_mask(model, input_ids), use_cache=False).logits
+    prepare(model)
+    logits = model(input_ids=input_ids, use_cache=False).logits
     return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), ignore_index=-100)
-
-
-def causal_mask(model: nn.Module, input_ids: torch.Tensor) -> torch.Tensor | dict:
-    """An explicit causal mask, so eager and traced runs take the same attention kernel.
-
-    Left to itself, transformers inspects position ids with data-dependent checks that
-    answer differently under tracing than in eager mode (a packed-sequence mask vs
-    `is_causal`), and the two graphs would differ numerically.
-    """
-    n = input_ids.shape[-1]
-    mask = torch.ones(n, n, dtype=torch.bool, device=input_ids.device).tril()[None, None]
-    layer_types = getattr(model.config, "layer_types", None) or []
-    if "linear_attention" in layer_types:  # hybrid models take one mask per layer type
-        return {"full_attention": mask, "linear_attention": None}
-    return mask
 
 
 @dataclass
@@ -106,10 +96,30 @@ def trace_count() -> int:
     return _trace_count
 
 
-def ensure_marked(model: nn.Module) -> None:
-    if not getattr(model, "_remat_marked", False):
+CAUSAL_ATTENTION = "remat_causal"
+
+
+def _no_mask(*args, **kwargs) -> None:
+    return None
+
+
+def _causal_attention(module, query, key, value, attention_mask, **kwargs):
+    return sdpa_attention_forward(module, query, key, value, None, **kwargs)
+
+
+# Plain causal SDPA with no mask tensor. transformers' own "sdpa" decides between a mask
+# and `is_causal` with data-dependent checks that answer differently under tracing than
+# in eager mode, so a traced step would not match eager; this one has no such branch.
+AttentionInterface.register(CAUSAL_ATTENTION, _causal_attention)
+AttentionMaskInterface.register(CAUSAL_ATTENTION, _no_mask)
+
+
+def prepare(model: nn.Module) -> None:
+    """Mark the layer outputs and select causal attention, once per model."""
+    if not getattr(model, "_remat_prepared", False):
         mark_layer_outputs(model)
-        model._remat_marked = True
+        model.set_attn_implementation(CAUSAL_ATTENTION)
+        model._remat_prepared = True
 
 
 def capture(model: nn.Module, input_ids: torch.Tensor, labels: torch.Tensor, *, fake: bool = True) -> TrainGraph:
@@ -119,7 +129,7 @@ def capture(model: nn.Module, input_ids: torch.Tensor, labels: torch.Tensor, *, 
     node's `meta["val"]` carries shape, dtype and strides for the planner.
     """
     global _trace_count
-    ensure_marked(model)
+    prepare(model)
     tensors = StepInputs.of(model)
     if not tensors.trainable:
         raise ValueError("the model has no trainable parameters")
@@ -149,8 +159,10 @@ def capture(model: nn.Module, input_ids: torch.Tensor, labels: torch.Tensor, *, 
     example = tensors.args(input_ids, labels)
     with torch.enable_grad():
         if fake:
-            mode = EagerStridesFakeMode(allow_non_fake_inputs=True)
-            example = [mode.from_tensor(t) for t in example]
+            # a model built under a fake mode (planning without weights) brings its own
+            mode = next((t.fake_mode for t in example if isinstance(t, FakeTensor)), None)
+            mode = mode or EagerStridesFakeMode(allow_non_fake_inputs=True)
+            example = [t if isinstance(t, FakeTensor) else mode.from_tensor(t) for t in example]
             with mode:
                 gm = make_fx(step)(*example)
         else:
@@ -180,6 +192,15 @@ class EagerStridesFakeMode(FakeTensorMode):
             with self:
                 return self._same_layout_as[func](args[0], args[1])
         return super().__torch_dispatch__(func, types, args, kwargs)
+
+
+def refresh_meta(gm: fx.GraphModule) -> None:
+    """Recompute every node's fake `meta["val"]` by running the graph on fake tensors."""
+    from torch.fx.passes.fake_tensor_prop import FakeTensorProp
+
+    mode = EagerStridesFakeMode(allow_non_fake_inputs=True)
+    inputs = [mode.from_tensor(n.meta["val"]) for n in gm.graph.nodes if n.op == "placeholder"]
+    FakeTensorProp(gm, mode).propagate_dont_convert_inputs(*inputs)
 
 
 class _LossModule(nn.Module):

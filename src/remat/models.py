@@ -20,6 +20,9 @@ import torch
 import transformers
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
+transformers.utils.logging.disable_progress_bar()  # remat draws its own progress; keep stderr readable
+transformers.utils.logging.set_verbosity_error()
+
 __all__ = [
     "PRESETS",
     "LoadedModel",

@@ -16,7 +16,9 @@ import torch
 from torch import fx
 from torch.multiprocessing.reductions import StorageWeakRef
 
-from remat.capture import TrainGraph, interpret
+from remat import models
+from remat.capture import EagerStridesFakeMode, TrainGraph, capture, interpret
+from remat.recompute import rewrite
 
 MiB = 1 << 20
 
@@ -115,6 +117,20 @@ def plan(tg: TrainGraph, *, cache: int = 0) -> Plan:
     )
 
 
+def plan_model(spec: str | None, ctx: int, batch: int = 1, *, checkpoint_prefix: str = "l_out") -> dict[str, Plan]:
+    """Plans with recompute off and on, from the model's config alone: no weights, nothing allocated.
+
+    The model is built and the step traced on fake tensors, which carry shapes, dtypes
+    and strides but no memory.
+    """
+    config = models.load_config(spec)
+    with EagerStridesFakeMode(allow_non_fake_inputs=True):
+        model = models.build_from_config(config)
+    ids = torch.zeros(batch, ctx, dtype=torch.long)
+    tg = capture(model, ids, ids.clone())
+    return {"off": plan(tg), "on": plan(rewrite(tg, checkpoint_prefix))}
+
+
 @dataclass
 class Measured:
     graph: int  # peak live bytes of graph-allocated storages, observed
@@ -173,3 +189,62 @@ def measure(tg: TrainGraph, args: list[torch.Tensor]) -> tuple[list, Measured]:
             peak = max(peak, live)
     cuda_max = torch.cuda.max_memory_allocated() if cuda else None
     return outputs, Measured(graph=peak, cuda_max_allocated=cuda_max)
+
+
+# ---------------------------------------------------------------------------------------- the gate
+
+_UNITS = {"": MiB, "b": 1, "k": 1 << 10, "kb": 1 << 10, "kib": 1 << 10, "m": MiB, "mb": MiB, "mib": MiB,
+          "g": 1 << 30, "gb": 1 << 30, "gib": 1 << 30, "t": 1 << 40, "tb": 1 << 40, "tib": 1 << 40}
+
+
+def parse_bytes(text: str) -> int:
+    """'512MiB', '2GiB', '1.5G' or a bare number of MiB -> bytes."""
+    s = text.strip().lower().replace(" ", "")
+    number = s.rstrip("abcdefghijklmnopqrstuvwxyz")
+    unit = s[len(number):]
+    try:
+        value = float(number)
+    except ValueError:
+        value = -1.0
+    if unit not in _UNITS or value <= 0:
+        raise ValueError(f"memory budget '{text}' is not a positive size like 512MiB or 8GiB")
+    return int(value * _UNITS[unit])
+
+
+def available_memory(device: torch.device | str = "cpu") -> int:
+    """Free memory of the device: on CPU the kernel's MemAvailable estimate."""
+    if torch.device(device).type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    raise OSError("cannot read MemAvailable from /proc/meminfo")
+
+
+class GateRefused(Exception):
+    """The job does not fit the budget with any allowed setting; the message gives the figures."""
+
+
+def mib(n: int) -> str:
+    return f"{n / MiB:,.1f} MiB"
+
+
+def gate(plans: dict[str, Plan], budget: int, recompute: str) -> tuple[bool, str]:
+    """Choose recompute off/on within `budget`: -> (recompute?, reason). `plans` has "off" and/or "on"."""
+    allowed = {"off": ["off"], "on": ["on"], "auto": ["off", "on"]}[recompute]
+    for choice in allowed:
+        if plans[choice].total <= budget:
+            why = f"plan {mib(plans[choice].total)} fits the budget {mib(budget)}"
+            if recompute == "auto" and choice == "on":
+                why = f"without recompute the plan ({mib(plans['off'].total)}) exceeds the budget; " + why
+            elif recompute == "auto":
+                why = "recompute not needed: " + why
+            return choice == "on", why
+    figures = ", ".join(f"recompute {k}: {mib(p.total)} (graph {mib(p.graph)})" for k, p in plans.items())
+    fixed = sum(v for k, v in plans["on" if "on" in plans else "off"].as_dict().items() if k not in ("graph", "total"))
+    raise GateRefused(
+        f"refused: the job needs more than the memory budget {mib(budget)} ({figures}); "
+        f"parameters, grads and optimizer alone take {mib(fixed)}: lower --ctx or --batch, "
+        f"use --recompute on, or raise --memory-budget"
+    )

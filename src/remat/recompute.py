@@ -21,7 +21,7 @@ import torch
 from torch import fx
 
 from remat import alias
-from remat.capture import TrainGraph, interpret
+from remat.capture import TrainGraph, interpret, refresh_meta
 from remat.marks import mark_name
 
 CLONE_OF = "remat_clone_of"  # node.meta key: the original a clone recomputes
@@ -90,6 +90,7 @@ def rewrite(tg: TrainGraph, checkpoint_prefix: str = "l_out") -> TrainGraph:
         env[n] = new.node_copy(n, lambda a: recomputed(a) if a in fwd_index else env[a])
 
     gm = fx.GraphModule(tg.gm, new)
+    refresh_meta(gm)  # clones need storages of their own, not their originals'
     boundary = env[tg.boundary]
     return TrainGraph(gm=gm, roles=tg.roles, names=tg.names, boundary=boundary,
                       info={**tg.info, "recompute": checkpoint_prefix})

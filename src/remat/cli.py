@@ -1,0 +1,186 @@
+"""`remat`: the command line. Parses arguments, calls the library, prints results.
+
+Exit codes: 0 ok, 1 a check failed (verify), 2 bad input, 3 refused by the memory gate.
+With --json, stdout holds one JSON object and nothing else; progress goes to stderr.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+EXIT_CHECK_FAILED, EXIT_BAD_INPUT, EXIT_REFUSED = 1, 2, 3
+
+
+def positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"'{text}' is not an integer") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {value}")
+    return value
+
+
+def positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"'{text}' is not a number") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be positive, got {text}")
+    return value
+
+
+def memory_size(text: str) -> int:
+    from remat.plan import parse_bytes
+
+    try:
+        return parse_bytes(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="remat", description="Fine-tune language models in less memory.")
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    def model_args(c: argparse.ArgumentParser, ctx: int) -> None:
+        c.add_argument("--model", help="GGUF file, HF safetensors folder, or preset (default: embedded SmolLM2-135M)")
+        c.add_argument("--ctx", type=positive_int, default=ctx, help=f"tokens per window (default {ctx})")
+        c.add_argument("--batch", type=positive_int, default=1, help="windows per step (default 1)")
+        c.add_argument("--json", action="store_true", help="print one JSON object on stdout")
+
+    f = sub.add_parser("finetune", help="train a model; prints a receipt")
+    model_args(f, 256)
+    f.add_argument("--data", help="text file, JSONL {text} or JSONL chat {messages} (default: bundled corpus)")
+    f.add_argument("--epochs", type=positive_int, default=1)
+    f.add_argument("--steps", type=positive_int, help="stop after this many optimizer steps")
+    f.add_argument("--lr", type=positive_float, default=1e-4)
+    f.add_argument("--seed", type=int, default=0)
+    f.add_argument("--recompute", choices=("on", "off", "auto"), default="auto",
+                   help="recompute per-layer intermediates in backward (default auto: only when needed to fit)")
+    f.add_argument("--memory-budget", type=memory_size, help="e.g. 2GiB (default: free memory of the device)")
+    f.add_argument("--out", help="folder to save the trained model (HF layout, safetensors)")
+
+    pl = sub.add_parser("plan", help="memory plan from the config alone; allocates nothing")
+    model_args(pl, 512)
+    pl.add_argument("--recompute", choices=("on", "off", "both"), default="both")
+
+    v = sub.add_parser("verify", help="one step comparing every recompute clone with its original")
+    model_args(v, 128)
+    v.add_argument("--explain", action="store_true", help="print what is kept across the backward, and why")
+    return p
+
+
+def fail(code: int, message: str) -> int:
+    print(f"remat: error: {message}", file=sys.stderr)
+    return code
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    from remat.data import DataError
+    from remat.models import ModelError
+    from remat.plan import GateRefused
+    from remat.train import UsageError
+
+    try:
+        return {"finetune": cmd_finetune, "plan": cmd_plan, "verify": cmd_verify}[args.command](args)
+    except GateRefused as e:
+        return fail(EXIT_REFUSED, str(e))
+    except (ModelError, DataError, UsageError) as e:
+        return fail(EXIT_BAD_INPUT, str(e))
+    except KeyboardInterrupt:
+        return fail(130, "interrupted")
+    except Exception as e:  # no traceback as the answer; REMAT_DEBUG=1 shows it
+        if os.environ.get("REMAT_DEBUG"):
+            raise
+        return fail(1, f"{type(e).__name__}: {e} (set REMAT_DEBUG=1 for the traceback)")
+
+
+def emit(args: argparse.Namespace, result: dict, human: str) -> None:
+    print(json.dumps(result) if args.json else human)
+
+
+def table(plans: dict) -> str:
+    from remat.plan import MiB
+
+    cats = ["params", "frozen", "grads", "optimizer", "graph", "cache", "total"]
+    cols = list(plans)
+    lines = [f"{'MiB':<10}" + "".join(f"{'recompute ' + c:>16}" for c in cols)]
+    for cat in cats:
+        lines.append(f"{cat:<10}" + "".join(f"{plans[c][cat] / MiB:>16,.1f}" for c in cols))
+    if {"on", "off"} <= set(plans):
+        lines.append(f"graph on/off: {plans['on']['graph'] / plans['off']['graph']:.3f}, "
+                     f"total on/off: {plans['on']['total'] / plans['off']['total']:.3f}")
+    return "\n".join(lines)
+
+
+def cmd_finetune(args: argparse.Namespace) -> int:
+    from remat.train import Settings, finetune
+
+    settings = Settings(model=args.model, data=args.data, ctx=args.ctx, batch=args.batch, epochs=args.epochs,
+                        steps=args.steps, lr=args.lr, seed=args.seed, recompute=args.recompute,
+                        memory_budget=args.memory_budget, out=args.out)
+    r = finetune(settings, progress=True)
+    losses = " ".join(f"{x:.6f}" for x in r["losses"])
+    human = "\n".join([
+        f"model: {r['model']}",
+        f"steps: {r['steps']}  losses: {losses}",
+        f"recompute: {'on' if r['recompute'] else 'off'} ({r['recompute_reason']})",
+        table({"on" if r["recompute"] else "off": r["plan"]}),
+        f"measured graph peak: {r['measured']['graph'] / 2**20:,.1f} MiB",
+        f"seconds per epoch: {r['seconds_per_epoch']:.2f}  tokens/s: {r['tokens_per_second']:.0f}",
+        *(["saved: " + ", ".join(r["outputs"])] if r["outputs"] else []),
+    ])
+    emit(args, r, human)
+    return 0
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    from remat.plan import plan_model
+
+    plans = plan_model(args.model, args.ctx, args.batch)
+    keep = ["off", "on"] if args.recompute == "both" else [args.recompute]
+    result = {"model": args.model or "default", "ctx": args.ctx, "batch": args.batch, "path": "ubatch",
+              "plans": {k: plans[k].as_dict() for k in keep}}
+    emit(args, result, table(result["plans"]))
+    return 0
+
+
+def cmd_verify(args: argparse.Namespace) -> int:
+    import torch
+
+    from remat import models
+    from remat.capture import StepInputs, capture
+    from remat.recompute import explain, rewrite, verify
+
+    loaded = models.load_model(args.model)
+    if args.ctx > loaded.max_ctx:
+        return fail(EXIT_BAD_INPUT, f"--ctx {args.ctx} is above the model's maximum context {loaded.max_ctx}")
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, loaded.model.config.vocab_size, (args.batch, args.ctx), generator=g)
+    labels = torch.randint(0, loaded.model.config.vocab_size, (args.batch, args.ctx), generator=g)
+    tg = capture(loaded.model, ids, labels)
+    result = verify(rewrite(tg), StepInputs.of(loaded.model).args(ids, labels))
+    d = result.first_difference
+    out = {"clones": result.clones, "equal": result.equal, "first_difference": d and vars(d)}
+    if result.equal:
+        human = f"all {result.clones} clones equal"
+    else:
+        human = (f"{result.clones} clones compared; first difference: {d.node} ({d.op}) in {d.mark}, "
+                 f"shape {d.shape}, max abs diff {d.max_abs_diff:g}")
+    if args.explain:
+        e = explain(tg)
+        out["explain"] = {"kept": e.kept, "counts": {k: dict(v) for k, v in e.counts.items()},
+                          "recomputed": dict(e.recomputed)}
+        human = e.format() + "\n" + human
+    emit(args, out, human)
+    return 0 if result.equal else EXIT_CHECK_FAILED
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,112 @@
+"""Shared fixtures: the tiny presets captured once per session, with a fixed random batch."""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+from remat.capture import StepInputs, TrainGraph, capture, causal_lm_loss
+from remat.models import LoadedModel, load_model
+from remat.recompute import rewrite
+
+PRESETS = ("tiny-llama", "tiny-qwen35")
+BATCH, CTX = 2, 64
+
+
+@dataclass(eq=False)
+class Case:
+    """One preset model, one batch, its traced step (`tg`) and the rewritten step (`rt`).
+
+    Shared across the session: tests must not change the model's parameters or flags; a test
+    that needs to (freezing, reordering, training) builds its own with `make_case`.
+    """
+
+    lm: LoadedModel
+    ids: torch.Tensor
+    labels: torch.Tensor
+    tg: TrainGraph
+
+    @property
+    def model(self) -> torch.nn.Module:
+        return self.lm.model
+
+    def args(self) -> list[torch.Tensor]:
+        return StepInputs.of(self.model).args(self.ids, self.labels)
+
+    def trainable(self) -> dict[str, torch.Tensor]:
+        return StepInputs.of(self.model).trainable
+
+    @functools.cached_property
+    def rt(self) -> TrainGraph:
+        return rewrite(self.tg)
+
+    @functools.cached_property
+    def eager(self) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """Loss and grads of the trainable parameters by plain autograd, no graph involved."""
+        loss = causal_lm_loss(self.model, self.ids, self.labels)
+        grads = torch.autograd.grad(loss, list(self.trainable().values()))
+        return loss.detach(), list(grads)
+
+    def run(self, tg: TrainGraph, args: list[torch.Tensor] | None = None):
+        with torch.no_grad():
+            return tg(*(self.args() if args is None else args))
+
+
+def random_batch(vocab: int = 259, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, vocab, (BATCH, CTX), generator=g)
+    labels = torch.randint(0, vocab, (BATCH, CTX), generator=g)
+    labels[:, :3] = -100  # some ignored targets, as a chat mask would give
+    return ids, labels
+
+
+def new_case(name: str, *, num_layers: int | None = None, prepare=None) -> Case:
+    lm = load_model(name, seed=0, num_layers=num_layers)
+    if prepare is not None:
+        prepare(lm.model)
+    ids, labels = random_batch(len(lm.tokenizer))
+    return Case(lm, ids, labels, capture(lm.model, ids, labels))
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _one_thread():
+    # Tiny graphs run fastest on one thread, and with two intra-op threads a busy machine makes
+    # every op wait on a descheduled thread: ~100x slower (3 s instead of 0.02 s per step).
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="session")
+def case_cache() -> dict:
+    return {}
+
+
+@pytest.fixture(scope="session")
+def get_case(case_cache):
+    """`get_case(name, num_layers=None)`: the shared, session-cached Case of that preset and depth."""
+
+    def get(name: str, num_layers: int | None = None) -> Case:
+        key = (name, num_layers)
+        if key not in case_cache:
+            case_cache[key] = new_case(name, num_layers=num_layers)
+        return case_cache[key]
+
+    return get
+
+
+@pytest.fixture(params=PRESETS)
+def case(request, get_case) -> Case:
+    """Each tiny preset at its own depth (shared: do not modify)."""
+    return get_case(request.param)
+
+
+@pytest.fixture(scope="session")
+def make_case():
+    """`make_case(name, num_layers=None, prepare=fn)`: a fresh model (prepare(model) runs before
+    capture), for tests that change the model."""
+    return new_case

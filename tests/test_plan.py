@@ -1,0 +1,97 @@
+"""remat.plan: the planner's bytes, by hand, against a measured run, and per category."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.fx.experimental.proxy_tensor import make_fx
+
+from remat.capture import TrainGraph
+from remat.plan import graph_peak, measure, plan
+
+
+@pytest.mark.parametrize("recompute", ["off", "on"])
+def test_planner_agrees_with_measurement(case, recompute):
+    tg = case.rt if recompute == "on" else case.tg
+    planned = plan(tg).graph
+    outputs, measured = measure(tg, case.args())
+    assert measured.cuda_max_allocated is None  # CPU
+    assert abs(planned - measured.graph) <= 0.05 * measured.graph, (planned, measured.graph)
+    loss, grads = case.run(tg)
+    assert torch.equal(outputs[0], loss) and all(torch.equal(a, b) for a, b in zip(outputs[1:], grads))
+
+
+def test_recompute_shrinks_the_graph(case):
+    off, on = plan(case.tg), plan(case.rt)
+    assert on.graph < off.graph
+    assert {k: v for k, v in on.as_dict().items() if k not in ("graph", "total")} == {
+        k: v for k, v in off.as_dict().items() if k not in ("graph", "total")
+    }
+
+
+def views_and_in_place(x):  # x: 1024 float32 = 4096 bytes, an input: never counted
+    a = x * 2  # A: 4096 bytes                                 live 4096
+    v = a[:512]  # a view of A; `a` itself is never used again
+    v.mul_(3)  # in place, through the view: no allocation
+    b = x.repeat(4)  # B: 16384                                 live 20480
+    t = v * 2  # T: 2048                                        live 22528  <- the peak
+    #            v's last use: A is freed here, through its last alias  -> 18432
+    s = t.sum()  # S: 4                                         live 18436, T freed -> 16388
+    e = b[:1024] * s  # E: 4096                                 live 20484, B and S freed -> 4096
+    return (e.sum(),)  # an output: never counted; E freed -> 0
+
+
+# A freed at the view (its last direct use) would give 20484; A never freed, 24580.
+VIEWS_AND_IN_PLACE_PEAK = 22528
+
+
+def test_graph_peak_by_hand():
+    gm = make_fx(views_and_in_place, tracing_mode="fake")(torch.randn(1024))
+    nodes = list(gm.graph.nodes)
+    assert any(n.target is torch.ops.aten.mul_.Tensor for n in nodes)
+    tg = TrainGraph(gm, ["input"], ["x"], boundary=nodes[-2])
+    assert graph_peak(tg) == VIEWS_AND_IN_PLACE_PEAK
+    outputs, measured = measure(tg, [torch.randn(1024)])
+    assert measured.graph == VIEWS_AND_IN_PLACE_PEAK
+    assert len(outputs) == 1
+
+
+def test_recompute_graph_grows_one_hidden_state_per_layer(get_case):
+    shallow, deep = get_case("tiny-llama"), get_case("tiny-llama", 6)
+    hidden = shallow.model.config.hidden_size
+    batch, ctx = shallow.ids.shape
+    assert (shallow.model.config.num_hidden_layers, deep.model.config.num_hidden_layers) == (2, 6)
+    grown = plan(deep.rt).graph - plan(shallow.rt).graph
+    assert grown == 4 * batch * ctx * hidden * 4  # one float32 l_out per layer
+    # without recompute each layer costs far more than its checkpoint
+    assert plan(deep.tg).graph - plan(shallow.tg).graph > 4 * grown
+
+
+def _check_categories(p, trainable, frozen_bytes):
+    param_bytes = sum(t.numel() * t.element_size() for t in trainable)
+    assert p.params == p.grads == param_bytes > 0
+    assert p.optimizer == 2 * 4 * sum(t.numel() for t in trainable)
+    assert p.frozen == frozen_bytes
+    d = p.as_dict()
+    assert d["total"] == p.total == sum(v for k, v in d.items() if k != "total")
+    assert set(d) == {"params", "frozen", "grads", "optimizer", "graph", "cache", "total"}
+
+
+def test_categories(case):
+    trainable = list(case.trainable().values())
+    buffers = sum(b.numel() * b.element_size() for b in case.model.buffers())
+    for tg in (case.tg, case.rt):
+        _check_categories(plan(tg), trainable, buffers)
+    with_cache = plan(case.tg, cache=12345)
+    assert with_cache.cache == 12345 and with_cache.total == plan(case.tg).total + 12345
+
+
+def test_categories_with_frozen_params(make_case):
+    def freeze(model):
+        model.model.embed_tokens.weight.requires_grad_(False)
+
+    c = make_case("tiny-llama", prepare=freeze)
+    trainable = list(c.trainable().values())
+    frozen = c.model.model.embed_tokens.weight
+    buffers = sum(b.numel() * b.element_size() for b in c.model.buffers())
+    _check_categories(plan(c.tg), trainable, frozen.numel() * frozen.element_size() + buffers)
