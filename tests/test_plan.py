@@ -29,6 +29,7 @@ def test_recompute_shrinks_the_graph(case):
     }
 
 
+# Hand-counted peaks (float32); placeholders and outputs are not graph memory.
 def views_and_in_place(x):  # x: 1024 float32 = 4096 bytes, an input: never counted
     a = x * 2  # A: 4096 bytes                                 live 4096
     v = a[:512]  # a view of A; `a` itself is never used again
@@ -41,18 +42,29 @@ def views_and_in_place(x):  # x: 1024 float32 = 4096 bytes, an input: never coun
     return (e.sum(),)  # an output: never counted; E freed -> 0
 
 
-# A freed at the view (its last direct use) would give 20484; A never freed, 24580.
-VIEWS_AND_IN_PLACE_PEAK = 22528
+# A freed at its last direct use (the view) would give 20484; A never freed, 24580.
 
 
-def test_graph_peak_by_hand():
-    gm = make_fx(views_and_in_place, tracing_mode="fake")(torch.randn(1024))
+def base_outlives_its_view(x):  # x: 1024 float32, an input
+    a = x * 2  # A: 4096                                       live 4096
+    v = a[:256]  # a view of A: the last alias made, dead after the next node
+    s = v.sum()  # S: 4                                        live 4100
+    b = a * s  # B: 4096                                       live 8196  <- the peak; A, S freed
+    return (b.sum(),)  # an output; B freed
+
+
+# A freed with its last-made alias (the view) would give 4100.
+
+
+@pytest.mark.parametrize(("fn", "peak"), [(views_and_in_place, 22528), (base_outlives_its_view, 8196)])
+def test_graph_peak_by_hand(fn, peak):
+    gm = make_fx(fn, tracing_mode="fake")(torch.randn(1024))
     nodes = list(gm.graph.nodes)
-    assert any(n.target is torch.ops.aten.mul_.Tensor for n in nodes)
+    assert any(n.target is torch.ops.aten.slice.Tensor for n in nodes)
     tg = TrainGraph(gm, ["input"], ["x"], boundary=nodes[-2])
-    assert graph_peak(tg) == VIEWS_AND_IN_PLACE_PEAK
+    assert graph_peak(tg) == peak
     outputs, measured = measure(tg, [torch.randn(1024)])
-    assert measured.graph == VIEWS_AND_IN_PLACE_PEAK
+    assert measured.graph == peak
     assert len(outputs) == 1
 
 

@@ -8,7 +8,6 @@ backward starts; it is read off the tracer at that moment, not guessed later.
 
 from __future__ import annotations
 
-import itertools
 from dataclasses import dataclass, field
 
 import torch
@@ -62,11 +61,26 @@ class TrainGraph:
         return loss, grads
 
 
-def causal_lm_loss(model: nn.Module, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Token-weighted mean cross-entropy over targets (labels == -100 are ignored)."""
+def causal_lm_loss(model: nn.Module, input_ids: torch.Tensor, labels: torch.Tensor,
+                   loss_chunk: int = 0) -> torch.Tensor:
+    """Token-weighted mean cross-entropy over targets (labels == -100 are ignored).
+
+    With `loss_chunk` = N > 0 the head runs on N tokens at a time: each chunk's logits
+    and cross-entropy are separate nodes, summed and divided by the number of targets,
+    so a recompute rewrite can keep one chunk's logits alive at a time.
+    """
     prepare(model)
-    logits = model(input_ids=input_ids, use_cache=False).logits
-    return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), ignore_index=-100)
+    hidden = model.get_decoder()(input_ids=input_ids, use_cache=False).last_hidden_state
+    head = model.get_output_embeddings()
+    n = hidden.shape[1]
+    if not 0 < loss_chunk < n:
+        return F.cross_entropy(head(hidden).flatten(0, 1).float(), labels.flatten(), ignore_index=-100)
+    total = sum(
+        F.cross_entropy(head(hidden[:, i:i + loss_chunk]).flatten(0, 1).float(),
+                        labels[:, i:i + loss_chunk].flatten(), ignore_index=-100, reduction="sum")
+        for i in range(0, n, loss_chunk)
+    )
+    return total / (labels != -100).sum()
 
 
 @dataclass
@@ -88,8 +102,7 @@ class StepInputs:
         return [*self.trainable.values(), *self.frozen.values(), *self.buffers.values(), *batch]
 
 
-traces = itertools.count()  # next(traces) counts traces; tests read it through trace_count()
-_trace_count = 0
+_trace_count = 0  # traces made in this process: an epoch must not trace more than once
 
 
 def trace_count() -> int:
@@ -122,7 +135,8 @@ def prepare(model: nn.Module) -> None:
         model._remat_prepared = True
 
 
-def capture(model: nn.Module, input_ids: torch.Tensor, labels: torch.Tensor, *, fake: bool = True) -> TrainGraph:
+def capture(model: nn.Module, input_ids: torch.Tensor, labels: torch.Tensor, *, fake: bool = True,
+            loss_chunk: int = 0) -> TrainGraph:
     """Trace the train step of `model` on a batch of this shape into a TrainGraph.
 
     With `fake=True` nothing of the step is computed: tensors are FakeTensors, and each
@@ -145,16 +159,11 @@ def capture(model: nn.Module, input_ids: torch.Tensor, labels: torch.Tensor, *, 
     boundary: list[fx.Node] = []
 
     def step(*args: torch.Tensor):
-        state = dict(zip(state_names, args[:-2]))
-        loss = torch.func.functional_call(model, state, (), {"input_ids": args[-2], "labels": args[-1]},
-                                          tie_weights=False, strict=True) if False else _loss(state, *args[-2:])
+        state = {f"model.{k}": v for k, v in zip(state_names, args[:-2])}
+        loss = torch.func.functional_call(_LossModule(model, loss_chunk), state, args[-2:])
         boundary.append(list(get_proxy_mode().tracer.graph.nodes)[-1])
         grads = torch.autograd.grad(loss, args[:n_train])
         return (loss, *grads)
-
-    def _loss(state, ids, lab):
-        return torch.func.functional_call(_LossModule(model), {f"model.{k}": v for k, v in state.items()},
-                                          (ids, lab))
 
     example = tensors.args(input_ids, labels)
     with torch.enable_grad():
@@ -169,7 +178,7 @@ def capture(model: nn.Module, input_ids: torch.Tensor, labels: torch.Tensor, *, 
             gm = make_fx(step)(*example)
     _trace_count += 1
     return TrainGraph(gm=gm, roles=roles, names=names, boundary=boundary[0],
-                      info={"shapes": tuple(input_ids.shape)})
+                      info={"shape": tuple(input_ids.shape), "loss_chunk": loss_chunk})
 
 
 class EagerStridesFakeMode(FakeTensorMode):
@@ -204,12 +213,13 @@ def refresh_meta(gm: fx.GraphModule) -> None:
 
 
 class _LossModule(nn.Module):
-    def __init__(self, model: nn.Module):
+    # functional_call swaps tensors on a module's whole tree; this makes the loss one call.
+    def __init__(self, model: nn.Module, loss_chunk: int):
         super().__init__()
-        self.model = model
+        self.model, self.loss_chunk = model, loss_chunk
 
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        return causal_lm_loss(self.model, input_ids, labels)
+        return causal_lm_loss(self.model, input_ids, labels, self.loss_chunk)
 
 
 def interpret(gm: fx.GraphModule, args: list, *, on_node=None, on_free=None,

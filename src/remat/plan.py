@@ -64,34 +64,48 @@ def _output_nodes(graph: fx.Graph) -> list[fx.Node]:
     return list(out.all_input_nodes)
 
 
-def graph_peak(tg: TrainGraph) -> int:
-    """Peak live bytes of graph-allocated storages over the node order."""
+def _lifetimes(tg: TrainGraph) -> tuple[list[fx.Node], dict[StorageWeakRef, tuple[fx.Node, int, int]]]:
+    """Each graph-allocated storage: (the node that made it, bytes, position after which it is freed)."""
     nodes = list(tg.graph.nodes)
     excluded = {s for n in nodes if n.op == "placeholder" for s in _storages(n)}
     excluded |= {s for n in _output_nodes(tg.graph) for s in _storages(n)}
-    last_use: dict[StorageWeakRef, int] = {}
-    size: dict[StorageWeakRef, int] = {}
     pos = {n: i for i, n in enumerate(nodes)}
+    life: dict[StorageWeakRef, tuple[fx.Node, int, int]] = {}
     for n in nodes:
         dies = max([pos[n]] + [pos[u] for u in n.users])
         for s in _storages(n):
-            if s in excluded:
-                continue
-            last_use[s] = max(last_use.get(s, 0), dies)
-            size.setdefault(s, _nbytes(s, n))
+            if s not in excluded:
+                maker, size, end = life.get(s, (n, _nbytes(s, n), 0))
+                life[s] = (maker, size, max(end, dies))
+    return nodes, life
+
+
+def live_at_peak(tg: TrainGraph) -> tuple[int, fx.Node | None, list[tuple[fx.Node, int]]]:
+    """The peak of graph-allocated bytes, the node where it is reached, and what is live then."""
+    nodes, life = _lifetimes(tg)
+    made_at: dict[fx.Node, list[StorageWeakRef]] = {}
     frees_at: dict[int, list[StorageWeakRef]] = {}
-    for s, i in last_use.items():
-        frees_at.setdefault(i, []).append(s)
-    live = peak = 0
-    allocated: set[StorageWeakRef] = set()
+    for s, (maker, _, end) in life.items():
+        made_at.setdefault(maker, []).append(s)
+        frees_at.setdefault(end, []).append(s)
+    live: set[StorageWeakRef] = set()
+    total = peak = 0
+    peak_node, peak_set = None, set()
     for i, n in enumerate(nodes):
-        for s in _storages(n):
-            if s in size and s not in allocated:
-                allocated.add(s)
-                live += size[s]
-        peak = max(peak, live)
-        live -= sum(size[s] for s in frees_at.get(i, ()))
-    return peak
+        for s in made_at.get(n, ()):
+            live.add(s)
+            total += life[s][1]
+        if total > peak:
+            peak, peak_node, peak_set = total, n, set(live)
+        for s in frees_at.get(i, ()):
+            live.discard(s)
+            total -= life[s][1]
+    return peak, peak_node, sorted(((life[s][0], life[s][1]) for s in peak_set), key=lambda x: -x[1])
+
+
+def graph_peak(tg: TrainGraph) -> int:
+    """Peak live bytes of graph-allocated storages over the node order."""
+    return live_at_peak(tg)[0]
 
 
 def _role_bytes(tg: TrainGraph, role: str) -> int:
@@ -117,7 +131,8 @@ def plan(tg: TrainGraph, *, cache: int = 0) -> Plan:
     )
 
 
-def plan_model(spec: str | None, ctx: int, batch: int = 1, *, checkpoint_prefix: str = "l_out") -> dict[str, Plan]:
+def plan_model(spec: str | None, ctx: int, batch: int = 1, *, loss_chunk: int = 0,
+               checkpoint_prefix: str = "l_out") -> dict[str, Plan]:
     """Plans with recompute off and on, from the model's config alone: no weights, nothing allocated.
 
     The model is built and the step traced on fake tensors, which carry shapes, dtypes
@@ -127,7 +142,7 @@ def plan_model(spec: str | None, ctx: int, batch: int = 1, *, checkpoint_prefix:
     with EagerStridesFakeMode(allow_non_fake_inputs=True):
         model = models.build_from_config(config)
     ids = torch.zeros(batch, ctx, dtype=torch.long)
-    tg = capture(model, ids, ids.clone())
+    tg = capture(model, ids, ids.clone(), loss_chunk=loss_chunk)
     return {"off": plan(tg), "on": plan(rewrite(tg, checkpoint_prefix))}
 
 

@@ -3,7 +3,8 @@
 Rules (shared/DESIGN.md §3), all in this file:
 1. saved: forward nodes that some backward node reads.
 2. kept (never recomputed): placeholders; marks whose name starts with the prefix;
-   random ops; ops that write in place or have side effects; and any node that reads a
+   the step's outputs (the loss lives to the end anyway, and the backward's seed
+   reads it); random ops; ops that write in place or have side effects; and any node that reads a
    root buffer (directly or through views) which an in-place op writes later in the
    graph: recomputed in backward, it would read the advanced value.
 3. every saved, non-kept node is replaced, for its backward users, by a memoised clone
@@ -33,6 +34,7 @@ def keep_reasons(tg: TrainGraph, prefix: str = "l_out") -> dict[fx.Node, str]:
     pos = {n: i for i, n in enumerate(graph.nodes)}
     root = alias.roots(graph)
     writes = alias.writes_by_root(graph, root)
+    outputs = set(next(n for n in reversed(graph.nodes) if n.op == "output").all_input_nodes)
     reasons: dict[fx.Node, str] = {}
     for n in tg.forward_nodes():
         name = mark_name(n)
@@ -40,6 +42,8 @@ def keep_reasons(tg: TrainGraph, prefix: str = "l_out") -> dict[fx.Node, str]:
             reasons[n] = n.op  # placeholder, get_attr
         elif name is not None and name.startswith(prefix):
             reasons[n] = "prefix"
+        elif n in outputs:
+            reasons[n] = "output"
         elif alias.is_random(n):
             reasons[n] = "random"
         elif alias.is_mutating(n):
