@@ -242,9 +242,13 @@ def test_verify_finds_every_clone_equal(case):
 
 def test_verify_names_a_planted_wrong_clone(get_case):
     c = get_case("tiny-llama")
+    # each forward node's layer: the first mark at or after it, in forward order
+    forward = c.tg.forward_nodes()
+    layer = {n.name: next((mark_name(m) for m in forward[i:] if mark_name(m)), None) for i, n in enumerate(forward)}
     rt = rewrite(c.tg)  # a copy of our own to break
     graph = rt.graph
-    clone = next(n for n in graph.nodes if CLONE_OF in n.meta and n.target is aten.add.Tensor)
+    clone = next(n for n in graph.nodes
+                 if n.target is aten.add.Tensor and layer.get(n.meta.get(CLONE_OF)) == "l_out.0")
     # the clone now computes its op, then adds 1e-3: same name, op and shape, a wrong value
     with graph.inserting_before(clone):
         right = graph.call_function(clone.target, clone.args, clone.kwargs)
@@ -255,12 +259,9 @@ def test_verify_names_a_planted_wrong_clone(get_case):
     assert diff is not None
     assert diff.node == clone.name
     assert diff.op == str(aten.add.Tensor)
+    assert diff.mark == "l_out.0"
     assert diff.shape == list(clone.meta["val"].shape)
     assert diff.max_abs_diff == pytest.approx(1e-3, rel=1e-2)
-    # the layer: the first mark at or after the original, in forward order
-    forward = c.tg.forward_nodes()
-    start = next(i for i, n in enumerate(forward) if n.name == clone.meta[CLONE_OF])
-    assert diff.mark == next((mark_name(n) for n in forward[start:] if mark_name(n)), None)
 
 
 # ----------------------------------------------------------------------------------------- structure

@@ -9,13 +9,13 @@ backward starts; it is read off the tracer at that moment, not guessed later.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
 from torch import fx, nn
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.fx.experimental.proxy_tensor import get_proxy_mode, make_fx
-
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface
@@ -191,7 +191,7 @@ class EagerStridesFakeMode(FakeTensorMode):
     strides against a real run, so a new mismatch shows up there.
     """
 
-    _same_layout_as = {
+    _same_layout_as: ClassVar[dict] = {
         # pointwise binary op on (grad_output, self): eager's TensorIterator layout
         torch.ops.aten.softplus_backward.default: torch.ops.aten.mul.Tensor,
     }

@@ -11,17 +11,26 @@ import json
 import os
 import sys
 
+from remat.train import DEFAULT_LOSS_CHUNK
+
 EXIT_CHECK_FAILED, EXIT_BAD_INPUT, EXIT_REFUSED = 1, 2, 3
 
 
-def positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"'{text}' is not an integer") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {value}")
-    return value
+def integer(minimum: int):
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"'{text}' is not an integer") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"must be {'positive' if minimum == 1 else f'at least {minimum}'}, "
+                                             f"got {value}")
+        return value
+
+    return parse
+
+
+positive_int, non_negative_int = integer(1), integer(0)
 
 
 def positive_float(text: str) -> float:
@@ -51,6 +60,8 @@ def parser() -> argparse.ArgumentParser:
         c.add_argument("--model", help="GGUF file, HF safetensors folder, or preset (default: embedded SmolLM2-135M)")
         c.add_argument("--ctx", type=positive_int, default=ctx, help=f"tokens per window (default {ctx})")
         c.add_argument("--batch", type=positive_int, default=1, help="windows per step (default 1)")
+        c.add_argument("--loss-chunk", type=non_negative_int, default=DEFAULT_LOSS_CHUNK,
+                       help=f"tokens per piece of the loss head, 0 = one piece (default {DEFAULT_LOSS_CHUNK})")
         c.add_argument("--json", action="store_true", help="print one JSON object on stdout")
 
     f = sub.add_parser("finetune", help="train a model; prints a receipt")
@@ -124,7 +135,7 @@ def cmd_finetune(args: argparse.Namespace) -> int:
 
     settings = Settings(model=args.model, data=args.data, ctx=args.ctx, batch=args.batch, epochs=args.epochs,
                         steps=args.steps, lr=args.lr, seed=args.seed, recompute=args.recompute,
-                        memory_budget=args.memory_budget, out=args.out)
+                        loss_chunk=args.loss_chunk, memory_budget=args.memory_budget, out=args.out)
     r = finetune(settings, progress=True)
     losses = " ".join(f"{x:.6f}" for x in r["losses"])
     human = "\n".join([
@@ -143,9 +154,10 @@ def cmd_finetune(args: argparse.Namespace) -> int:
 def cmd_plan(args: argparse.Namespace) -> int:
     from remat.plan import plan_model
 
-    plans = plan_model(args.model, args.ctx, args.batch)
+    plans = plan_model(args.model, args.ctx, args.batch, loss_chunk=args.loss_chunk)
     keep = ["off", "on"] if args.recompute == "both" else [args.recompute]
     result = {"model": args.model or "default", "ctx": args.ctx, "batch": args.batch, "path": "ubatch",
+              "loss_chunk": args.loss_chunk,
               "plans": {k: plans[k].as_dict() for k in keep}}
     emit(args, result, table(result["plans"]))
     return 0
@@ -164,7 +176,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(0, loaded.model.config.vocab_size, (args.batch, args.ctx), generator=g)
     labels = torch.randint(0, loaded.model.config.vocab_size, (args.batch, args.ctx), generator=g)
-    tg = capture(loaded.model, ids, labels)
+    tg = capture(loaded.model, ids, labels, loss_chunk=args.loss_chunk)
     result = verify(rewrite(tg), StepInputs.of(loaded.model).args(ids, labels))
     d = result.first_difference
     out = {"clones": result.clones, "equal": result.equal, "first_difference": d and vars(d)}
