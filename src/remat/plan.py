@@ -263,3 +263,22 @@ def gate(plans: dict[str, Plan], budget: int, recompute: str) -> tuple[bool, str
         f"parameters, grads and optimizer alone take {mib(fixed)}: lower --ctx or --batch, "
         f"use --recompute on, or raise --memory-budget"
     )
+
+
+def preflight(tg: TrainGraph, device: torch.device | str = "cpu", *, cpu_fallback: bool = False) -> None:
+    """Refuse a graph holding an op that no available backend can run, naming it.
+
+    An op runs if it has a kernel for the device (composite ops count), or, when
+    `cpu_fallback` is allowed, a CPU kernel.
+    """
+    key = torch.device(device).type.upper()
+    missing = set()
+    for n in tg.graph.nodes:
+        if n.op == "call_function" and isinstance(n.target, torch._ops.OpOverload):
+            name = n.target.name()
+            has = torch._C._dispatch_has_computed_kernel_for_dispatch_key
+            if not has(name, key) and not (cpu_fallback and has(name, "CPU")):
+                missing.add(name)
+    if missing:
+        raise GateRefused(f"refused: no kernel on {key.lower()} for {', '.join(sorted(missing))}"
+                          + ("" if cpu_fallback else " (and no CPU fallback allowed)"))

@@ -20,7 +20,7 @@ from tqdm import tqdm
 
 from remat import data, models
 from remat.capture import StepInputs, TrainGraph, capture
-from remat.plan import Plan, available_memory, gate, measure, plan
+from remat.plan import Plan, available_memory, gate, measure, plan, preflight
 from remat.recompute import rewrite
 
 CHECKPOINT_PREFIX = "l_out"  # recompute "on" keeps exactly the per-layer residual stream
@@ -99,6 +99,7 @@ def finetune(s: Settings, *, progress: bool = True) -> dict:
     plans = plans_for(model, shape, s.loss_chunk)
     use_recompute, reason = gate(plans, budget, s.recompute)
     graph = step_graph(model, shape, use_recompute, s.loss_chunk)
+    preflight(graph, next(model.parameters()).device)
     tensors = StepInputs.of(model)
     params = list(tensors.trainable.values())
     optimizer = torch.optim.AdamW(params, lr=s.lr, weight_decay=0.0)
