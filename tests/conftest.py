@@ -71,10 +71,11 @@ def new_case(name: str, *, num_layers: int | None = None, prepare=None) -> Case:
     return Case(lm, ids, labels, capture(lm.model, ids, labels))
 
 
-@pytest.fixture(scope="session", autouse=True)
-def _one_thread():
-    # Tiny graphs run fastest on one thread, and with two intra-op threads a busy machine makes
-    # every op wait on a descheduled thread: ~100x slower (3 s instead of 0.02 s per step).
+@pytest.fixture(scope="module")
+def one_thread():
+    """Use with `pytestmark = pytest.mark.usefixtures("one_thread")`. Tiny graphs run fastest on one
+    thread, and with two intra-op threads on a busy 2-CPU machine every op waits on a descheduled
+    thread: ~100x slower (3 s instead of 0.02 s per tiny-qwen35 step)."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     yield

@@ -16,6 +16,8 @@ from remat.recompute import CLONE_OF, explain, keep_reasons, rewrite, saved_node
 
 aten = torch.ops.aten
 
+pytestmark = pytest.mark.usefixtures("one_thread")
+
 
 def assert_same_step(a, b) -> None:
     (loss_a, grads_a), (loss_b, grads_b) = a, b

@@ -8,6 +8,7 @@ backward starts; it is read off the tracer at that moment, not guessed later.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from typing import ClassVar
 
@@ -63,24 +64,31 @@ class TrainGraph:
 
 def causal_lm_loss(model: nn.Module, input_ids: torch.Tensor, labels: torch.Tensor,
                    loss_chunk: int = 0) -> torch.Tensor:
-    """Token-weighted mean cross-entropy over targets (labels == -100 are ignored).
+    """Token-weighted mean cross-entropy over targets (labels == -100 are ignored)."""
+    prepare(model)
+    hidden = model.get_decoder()(input_ids=input_ids, use_cache=False).last_hidden_state
+    return head_loss(model, hidden, labels, loss_chunk)
+
+
+def head_loss(model: nn.Module, hidden: torch.Tensor, labels: torch.Tensor, loss_chunk: int = 0,
+              n_targets: torch.Tensor | None = None) -> torch.Tensor:
+    """Cross-entropy of the LM head over `hidden`: the mean over targets, or the sum over `n_targets`.
 
     With `loss_chunk` = N > 0 the head runs on N tokens at a time: each chunk's logits
     and cross-entropy are separate nodes, summed and divided by the number of targets,
     so a recompute rewrite can keep one chunk's logits alive at a time.
     """
-    prepare(model)
-    hidden = model.get_decoder()(input_ids=input_ids, use_cache=False).last_hidden_state
     head = model.get_output_embeddings()
     n = hidden.shape[1]
-    if not 0 < loss_chunk < n:
+    if n_targets is None and not 0 < loss_chunk < n:
         return F.cross_entropy(head(hidden).flatten(0, 1).float(), labels.flatten(), ignore_index=-100)
+    step = loss_chunk if 0 < loss_chunk < n else n
     total = sum(
-        F.cross_entropy(head(hidden[:, i:i + loss_chunk]).flatten(0, 1).float(),
-                        labels[:, i:i + loss_chunk].flatten(), ignore_index=-100, reduction="sum")
-        for i in range(0, n, loss_chunk)
+        F.cross_entropy(head(hidden[:, i:i + step]).flatten(0, 1).float(),
+                        labels[:, i:i + step].flatten(), ignore_index=-100, reduction="sum")
+        for i in range(0, n, step)
     )
-    return total / (labels != -100).sum()
+    return total / (n_targets if n_targets is not None else (labels != -100).sum())
 
 
 @dataclass
@@ -109,29 +117,34 @@ def trace_count() -> int:
     return _trace_count
 
 
-CAUSAL_ATTENTION = "remat_causal"
+ATTENTION = "remat"
 
 
-def _no_mask(*args, **kwargs) -> None:
-    return None
+def _mask(batch_size: int, q_length: int, kv_length: int, q_offset=0, kv_offset: int = 0, device=None, **kwargs):
+    """No mask for a plain causal window; for a chunk attending over a cache, keys up to each query."""
+    if isinstance(q_offset, int) and q_offset == 0 and kv_offset == 0 and kv_length == q_length:
+        return None
+    q = q_offset + torch.arange(q_length, device=device)
+    kv = kv_offset + torch.arange(kv_length, device=device)
+    return (kv[None, :] <= q[:, None])[None, None]
 
 
-def _causal_attention(module, query, key, value, attention_mask, **kwargs):
-    return sdpa_attention_forward(module, query, key, value, None, **kwargs)
+def _attention(module, query, key, value, attention_mask, **kwargs):
+    return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
 
 
-# Plain causal SDPA with no mask tensor. transformers' own "sdpa" decides between a mask
-# and `is_causal` with data-dependent checks that answer differently under tracing than
-# in eager mode, so a traced step would not match eager; this one has no such branch.
-AttentionInterface.register(CAUSAL_ATTENTION, _causal_attention)
-AttentionMaskInterface.register(CAUSAL_ATTENTION, _no_mask)
+# SDPA with masks remat builds. transformers' own "sdpa" decides between a mask and
+# `is_causal` with data-dependent checks that answer differently under tracing than in
+# eager mode, so a traced step would not match eager; these have no such branch.
+AttentionInterface.register(ATTENTION, _attention)
+AttentionMaskInterface.register(ATTENTION, _mask)
 
 
 def prepare(model: nn.Module) -> None:
-    """Mark the layer outputs and select causal attention, once per model."""
+    """Mark the layer outputs and select remat's attention masks, once per model."""
     if not getattr(model, "_remat_prepared", False):
         mark_layer_outputs(model)
-        model.set_attn_implementation(CAUSAL_ATTENTION)
+        model.set_attn_implementation(ATTENTION)
         model._remat_prepared = True
 
 
@@ -142,30 +155,40 @@ def capture(model: nn.Module, input_ids: torch.Tensor, labels: torch.Tensor, *, 
     With `fake=True` nothing of the step is computed: tensors are FakeTensors, and each
     node's `meta["val"]` carries shape, dtype and strides for the planner.
     """
+    return trace(model, functools.partial(causal_lm_loss, loss_chunk=loss_chunk),
+                 {"input_ids": ("input", input_ids), "labels": ("input", labels)},
+                 fake=fake, info={"shape": tuple(input_ids.shape), "loss_chunk": loss_chunk})
+
+
+def trace(model: nn.Module, loss_fn, inputs: dict[str, tuple[str, torch.Tensor]], *, fake: bool = True,
+          info: dict | None = None) -> TrainGraph:
+    """Trace `loss_fn(model, *inputs)` and the grads of the trainable parameters into a TrainGraph.
+
+    `inputs` maps a name to (role, example tensor): "input" for batch data, "state" for
+    buffers the step reads and writes in place (the walk's caches). Placeholders are the
+    model's trainable, frozen and buffer tensors, then the inputs in order.
+    """
     global _trace_count
     prepare(model)
     tensors = StepInputs.of(model)
     if not tensors.trainable:
         raise ValueError("the model has no trainable parameters")
-    names = [*tensors.trainable, *tensors.frozen, *tensors.buffers, "input_ids", "labels"]
-    roles = (
-        ["trainable"] * len(tensors.trainable)
-        + ["frozen"] * len(tensors.frozen)
-        + ["buffer"] * len(tensors.buffers)
-        + ["input", "input"]
-    )
-    n_train = len(tensors.trainable)
-    state_names = names[:-2]
+    model_names = [*tensors.trainable, *tensors.frozen, *tensors.buffers]
+    roles = (["trainable"] * len(tensors.trainable) + ["frozen"] * len(tensors.frozen)
+             + ["buffer"] * len(tensors.buffers) + [role for role, _ in inputs.values()])
+    n_train, n_model = len(tensors.trainable), len(model_names)
     boundary: list[fx.Node] = []
 
     def step(*args: torch.Tensor):
-        state = {f"model.{k}": v for k, v in zip(state_names, args[:-2])}
-        loss = torch.func.functional_call(_LossModule(model, loss_chunk), state, args[-2:])
+        state = {f"model.{k}": v for k, v in zip(model_names, args[:n_model])}
+        loss = torch.func.functional_call(_LossModule(model, loss_fn), state, args[n_model:])
         boundary.append(list(get_proxy_mode().tracer.graph.nodes)[-1])
         grads = torch.autograd.grad(loss, args[:n_train])
         return (loss, *grads)
 
-    example = tensors.args(input_ids, labels)
+    example = tensors.args(*(t for _, t in inputs.values()))
+    if len({id(t) for t in example}) != len(example):
+        raise ValueError("each input must be its own tensor (make_fx merges repeated inputs)")
     with torch.enable_grad():
         if fake:
             # a model built under a fake mode (planning without weights) brings its own
@@ -177,8 +200,7 @@ def capture(model: nn.Module, input_ids: torch.Tensor, labels: torch.Tensor, *, 
         else:
             gm = make_fx(step)(*example)
     _trace_count += 1
-    return TrainGraph(gm=gm, roles=roles, names=names, boundary=boundary[0],
-                      info={"shape": tuple(input_ids.shape), "loss_chunk": loss_chunk})
+    return TrainGraph(gm=gm, roles=roles, names=[*model_names, *inputs], boundary=boundary[0], info=info or {})
 
 
 class EagerStridesFakeMode(FakeTensorMode):
@@ -214,12 +236,12 @@ def refresh_meta(gm: fx.GraphModule) -> None:
 
 class _LossModule(nn.Module):
     # functional_call swaps tensors on a module's whole tree; this makes the loss one call.
-    def __init__(self, model: nn.Module, loss_chunk: int):
+    def __init__(self, model: nn.Module, loss_fn):
         super().__init__()
-        self.model, self.loss_chunk = model, loss_chunk
+        self.model, self.loss_fn = model, loss_fn
 
-    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        return causal_lm_loss(self.model, input_ids, labels, self.loss_chunk)
+    def forward(self, *inputs: torch.Tensor) -> torch.Tensor:
+        return self.loss_fn(self.model, *inputs)
 
 
 def interpret(gm: fx.GraphModule, args: list, *, on_node=None, on_free=None,

@@ -62,6 +62,9 @@ def parser() -> argparse.ArgumentParser:
         c.add_argument("--batch", type=positive_int, default=1, help="windows per step (default 1)")
         c.add_argument("--loss-chunk", type=non_negative_int, default=DEFAULT_LOSS_CHUNK,
                        help=f"tokens per piece of the loss head, 0 = one piece (default {DEFAULT_LOSS_CHUNK})")
+        c.add_argument("--path", choices=("ubatch", "walk"), default="ubatch",
+                       help="ubatch: one graph per window; walk: chunks of --ubatch tokens over a KV cache")
+        c.add_argument("--ubatch", type=positive_int, default=256, help="walk: tokens per chunk (default 256)")
         c.add_argument("--json", action="store_true", help="print one JSON object on stdout")
 
     f = sub.add_parser("finetune", help="train a model; prints a receipt")
@@ -69,6 +72,7 @@ def parser() -> argparse.ArgumentParser:
     f.add_argument("--data", help="text file, JSONL {text} or JSONL chat {messages} (default: bundled corpus)")
     f.add_argument("--epochs", type=positive_int, default=1)
     f.add_argument("--steps", type=positive_int, help="stop after this many optimizer steps")
+    f.add_argument("--accumulate", type=positive_int, default=1, help="windows per optimizer step (default 1)")
     f.add_argument("--lr", type=positive_float, default=1e-4)
     f.add_argument("--seed", type=int, default=0)
     f.add_argument("--recompute", choices=("on", "off", "auto"), default="auto",
@@ -135,7 +139,8 @@ def cmd_finetune(args: argparse.Namespace) -> int:
 
     settings = Settings(model=args.model, data=args.data, ctx=args.ctx, batch=args.batch, epochs=args.epochs,
                         steps=args.steps, lr=args.lr, seed=args.seed, recompute=args.recompute,
-                        loss_chunk=args.loss_chunk, memory_budget=args.memory_budget, out=args.out)
+                        loss_chunk=args.loss_chunk, path=args.path, ubatch=args.ubatch,
+                        accumulate=args.accumulate, memory_budget=args.memory_budget, out=args.out)
     r = finetune(settings, progress=True)
     losses = " ".join(f"{x:.6f}" for x in r["losses"])
     human = "\n".join([
@@ -145,6 +150,7 @@ def cmd_finetune(args: argparse.Namespace) -> int:
         table({"on" if r["recompute"] else "off": r["plan"]}),
         f"measured graph peak: {r['measured']['graph'] / 2**20:,.1f} MiB",
         f"seconds per epoch: {r['seconds_per_epoch']:.2f}  tokens/s: {r['tokens_per_second']:.0f}",
+        f"chunks: {r['chunks']}  window p50 {r['window_p50']:.3f} s  p95 {r['window_p95']:.3f} s",
         *(["saved: " + ", ".join(r["outputs"])] if r["outputs"] else []),
     ])
     emit(args, r, human)
@@ -154,9 +160,12 @@ def cmd_finetune(args: argparse.Namespace) -> int:
 def cmd_plan(args: argparse.Namespace) -> int:
     from remat.plan import plan_model
 
-    plans = plan_model(args.model, args.ctx, args.batch, loss_chunk=args.loss_chunk)
+    if args.path == "walk" and args.ctx % args.ubatch:
+        return fail(EXIT_BAD_INPUT, f"--ctx {args.ctx} must be a multiple of --ubatch {args.ubatch} on the walk path")
+    plans = plan_model(args.model, args.ctx, args.batch, loss_chunk=args.loss_chunk, path=args.path,
+                       ubatch=args.ubatch)
     keep = ["off", "on"] if args.recompute == "both" else [args.recompute]
-    result = {"model": args.model or "default", "ctx": args.ctx, "batch": args.batch, "path": "ubatch",
+    result = {"model": args.model or "default", "ctx": args.ctx, "batch": args.batch, "path": args.path,
               "loss_chunk": args.loss_chunk,
               "plans": {k: plans[k].as_dict() for k in keep}}
     emit(args, result, table(result["plans"]))

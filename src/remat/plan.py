@@ -16,7 +16,7 @@ import torch
 from torch import fx
 from torch.multiprocessing.reductions import StorageWeakRef
 
-from remat import models
+from remat import models, walk
 from remat.capture import EagerStridesFakeMode, TrainGraph, capture, interpret
 from remat.recompute import rewrite
 
@@ -117,7 +117,7 @@ def _role_bytes(tg: TrainGraph, role: str) -> int:
     )
 
 
-def plan(tg: TrainGraph, *, cache: int = 0) -> Plan:
+def plan(tg: TrainGraph) -> Plan:
     """Bytes by category for running `tg` as a training step with AdamW."""
     trainable = [t for n, r in zip(tg.placeholders(), tg.roles) if r == "trainable" for t in _tensors(n.meta["val"])]
     params = sum(t.numel() * t.element_size() for t in trainable)
@@ -127,12 +127,12 @@ def plan(tg: TrainGraph, *, cache: int = 0) -> Plan:
         grads=params,
         optimizer=sum(2 * t.numel() * 4 for t in trainable),
         graph=graph_peak(tg),
-        cache=cache,
+        cache=_role_bytes(tg, "state"),
     )
 
 
-def plan_model(spec: str | None, ctx: int, batch: int = 1, *, loss_chunk: int = 0,
-               checkpoint_prefix: str = "l_out") -> dict[str, Plan]:
+def plan_model(spec: str | None, ctx: int, batch: int = 1, *, loss_chunk: int = 0, path: str = "ubatch",
+               ubatch: int = 256, checkpoint_prefix: str = "l_out") -> dict[str, Plan]:
     """Plans with recompute off and on, from the model's config alone: no weights, nothing allocated.
 
     The model is built and the step traced on fake tensors, which carry shapes, dtypes
@@ -141,8 +141,11 @@ def plan_model(spec: str | None, ctx: int, batch: int = 1, *, loss_chunk: int = 
     config = models.load_config(spec)
     with EagerStridesFakeMode(allow_non_fake_inputs=True):
         model = models.build_from_config(config)
-    ids = torch.zeros(batch, ctx, dtype=torch.long)
-    tg = capture(model, ids, ids.clone(), loss_chunk=loss_chunk)
+    if path == "walk":
+        tg = walk.capture_chunk(model, batch, ctx, ubatch, loss_chunk=loss_chunk)
+    else:
+        ids = torch.zeros(batch, ctx, dtype=torch.long)
+        tg = capture(model, ids, ids.clone(), loss_chunk=loss_chunk)
     return {"off": plan(tg), "on": plan(rewrite(tg, checkpoint_prefix))}
 
 

@@ -12,15 +12,16 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
 from tqdm import tqdm
 
-from remat import data, models
+from remat import data, models, walk
 from remat.capture import StepInputs, TrainGraph, capture
-from remat.plan import Plan, available_memory, gate, measure, plan, preflight
+from remat.plan import Measured, Plan, available_memory, gate, measure, plan, preflight
 from remat.recompute import rewrite
 
 CHECKPOINT_PREFIX = "l_out"  # recompute "on" keeps exactly the per-layer residual stream
@@ -45,11 +46,14 @@ class Settings:
     seed: int = 0
     recompute: str = "auto"  # "on" | "off" | "auto"
     loss_chunk: int = DEFAULT_LOSS_CHUNK  # tokens per piece of the loss head; 0: one piece
+    path: str = "ubatch"  # "ubatch": one graph per window; "walk": chunks of `ubatch` tokens over a cache
+    ubatch: int = 256  # walk: tokens per chunk
+    accumulate: int = 1  # windows (batches) per optimizer step
     memory_budget: int | None = None  # bytes; None: the device's free memory
     out: str | None = None
 
     def check(self) -> None:
-        for name in ("ctx", "batch", "epochs"):
+        for name in ("ctx", "batch", "epochs", "ubatch", "accumulate"):
             if getattr(self, name) < 1:
                 raise UsageError(f"--{name} must be a positive integer, got {getattr(self, name)}")
         if self.steps is not None and self.steps < 1:
@@ -62,30 +66,95 @@ class Settings:
             raise UsageError(f"--recompute must be on, off or auto, got {self.recompute!r}")
         if self.memory_budget is not None and self.memory_budget <= 0:
             raise UsageError("--memory-budget must be positive")
+        if self.path not in ("ubatch", "walk"):
+            raise UsageError(f"--path must be ubatch or walk, got {self.path!r}")
+        if self.path == "walk" and self.ctx % self.ubatch:
+            raise UsageError(f"--ctx {self.ctx} must be a multiple of --ubatch {self.ubatch} on the walk path")
 
 
-def step_graph(model: torch.nn.Module, shape: tuple[int, int], recompute: bool, loss_chunk: int) -> TrainGraph:
-    """The traced (and, with recompute, rewritten) step for this model and options, traced once."""
+def step_graph(model: torch.nn.Module, s: Settings, recompute: bool) -> TrainGraph:
+    """The traced (and, with recompute, rewritten) step for this model and settings, traced once.
+
+    The cache lives on the model: an epoch, and every chunk of a walk, reuse one graph.
+    """
     cache = model.__dict__.setdefault("_remat_graphs", {})
     trainable = tuple(n for n, p in model.named_parameters() if p.requires_grad)
-    key = (shape, loss_chunk, trainable, recompute)
+    key = (s.path, s.batch, s.ctx, s.ubatch if s.path == "walk" else None, s.loss_chunk, trainable, recompute)
     if key not in cache:
         base = key[:-1] + (False,)
         if base not in cache:
-            ids = torch.zeros(shape, dtype=torch.long)
-            cache[base] = capture(model, ids, ids.clone(), loss_chunk=loss_chunk)  # two tensors: two inputs
+            if s.path == "walk":
+                cache[base] = walk.capture_chunk(model, s.batch, s.ctx, s.ubatch, loss_chunk=s.loss_chunk)
+            else:
+                ids = torch.zeros(s.batch, s.ctx, dtype=torch.long)
+                cache[base] = capture(model, ids, ids.clone(), loss_chunk=s.loss_chunk)  # two tensors: two inputs
         if recompute:
             cache[key] = rewrite(cache[base], CHECKPOINT_PREFIX)
     return cache[key]
 
 
-def plans_for(model: torch.nn.Module, shape: tuple[int, int], loss_chunk: int) -> dict[str, Plan]:
-    return {k: plan(step_graph(model, shape, k == "on", loss_chunk)) for k in ("off", "on")}
+def plans_for(model: torch.nn.Module, s: Settings) -> dict[str, Plan]:
+    return {k: plan(step_graph(model, s, k == "on")) for k in ("off", "on")}
 
 
-def finetune(s: Settings, *, progress: bool = True) -> dict:
+class Cancelled(Exception):
+    """Raised by a `before_chunk` hook to stop training at a chunk boundary."""
+
+
+@dataclass
+class Hooks:
+    """Calls a caller (the server) gets: before each chunk (it may wait, or raise Cancelled), after each step."""
+
+    before_chunk: Callable[[], None] = lambda: None
+    on_step: Callable[[dict], None] = lambda event: None
+
+
+class Window:
+    """Runs one batch of windows through the step graph: one chunk (ubatch) or ctx/ubatch chunks (walk)."""
+
+    def __init__(self, model: torch.nn.Module, graph: TrainGraph, s: Settings, hooks: Hooks):
+        self.graph, self.s, self.hooks = graph, s, hooks
+        self.tensors = StepInputs.of(model)
+        self.state = walk.new_state(model, s.batch, s.ctx) if s.path == "walk" else {}
+        self.measured: Measured | None = None
+        self.chunk_seconds: list[float] = []
+
+    def run(self, input_ids: torch.Tensor, labels: torch.Tensor) -> tuple[float, list[torch.Tensor]]:
+        s = self.s
+        if s.path == "ubatch":
+            return self._chunk([input_ids, labels])
+        for t in self.state.values():
+            t.zero_()  # a new window: no recurrent state carried in from the last one
+        n_targets = (labels != -100).sum().to(torch.float32)
+        loss, grads = 0.0, None
+        for start in range(0, s.ctx, s.ubatch):
+            piece = [t[:, start:start + s.ubatch].contiguous() for t in (input_ids, labels)]
+            chunk_loss, chunk_grads = self._chunk([*self.state.values(), torch.tensor(start), n_targets, *piece])
+            loss += chunk_loss
+            grads = chunk_grads if grads is None else [a.add_(b) for a, b in zip(grads, chunk_grads)]
+        return loss, grads
+
+    def _chunk(self, inputs: list[torch.Tensor]) -> tuple[float, list[torch.Tensor]]:
+        self.hooks.before_chunk()
+        t0 = time.perf_counter()
+        args = self.tensors.args(*inputs)
+        if self.measured is None:  # the first chunk runs observed: the receipt's measured peak
+            (loss, *grads), self.measured = measure(self.graph, args)
+        else:
+            loss, grads = self.graph(*args)
+        self.chunk_seconds.append(time.perf_counter() - t0)
+        return loss.item(), grads
+
+
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, max(0, round(q * (len(ordered) - 1))))]
+
+
+def finetune(s: Settings, *, progress: bool = True, hooks: Hooks | None = None) -> dict:
     """Train as `s` says and return the receipt (shared/DESIGN.md §8)."""
     s.check()
+    hooks = hooks or Hooks()
     budget = s.memory_budget or available_memory()  # read before the model takes its share
     torch.manual_seed(s.seed)
     loaded = models.load_model(s.model, seed=s.seed)
@@ -95,40 +164,43 @@ def finetune(s: Settings, *, progress: bool = True) -> dict:
     windows = data.load_windows(s.data if s.data is not None else data.default_data_path(),
                                 loaded.tokenizer, s.ctx, s.batch)
 
-    shape = (s.batch, s.ctx)
-    plans = plans_for(model, shape, s.loss_chunk)
+    plans = plans_for(model, s)
     use_recompute, reason = gate(plans, budget, s.recompute)
-    graph = step_graph(model, shape, use_recompute, s.loss_chunk)
+    graph = step_graph(model, s, use_recompute)
     preflight(graph, next(model.parameters()).device)
-    tensors = StepInputs.of(model)
-    params = list(tensors.trainable.values())
+    params = list(StepInputs.of(model).trainable.values())
     optimizer = torch.optim.AdamW(params, lr=s.lr, weight_decay=0.0)
+    window = Window(model, graph, s, hooks)
 
-    per_epoch = len(windows) // s.batch
+    per_epoch = len(windows) // s.batch // s.accumulate
     total = min(s.steps or per_epoch * s.epochs, per_epoch * s.epochs)
+    if total == 0:
+        raise UsageError(f"--accumulate {s.accumulate} needs more batches than the data gives per epoch "
+                         f"({len(windows) // s.batch})")
     losses: list[float] = []
     epoch_seconds: list[float] = []
-    measured = None
     bar = tqdm(total=total, desc="finetune", unit="step", file=sys.stderr, disable=not progress)
     start = time.perf_counter()
     for epoch in range(s.epochs):
         t0 = time.perf_counter()
-        for input_ids, labels in data.batches(windows, s.batch, seed=s.seed, epoch=epoch):
+        batches = data.batches(windows, s.batch, seed=s.seed, epoch=epoch)
+        for i in range(0, per_epoch * s.accumulate, s.accumulate):
             if len(losses) == total:
                 break
-            args = tensors.args(input_ids, labels)
-            if measured is None:  # the first step runs observed: the receipt's measured peak
-                (loss, *grads), measured = measure(graph, args)
-            else:
-                loss, grads = graph(*args)
+            step_loss, grads = 0.0, None
+            for input_ids, labels in batches[i:i + s.accumulate]:
+                loss, g = window.run(input_ids, labels)
+                step_loss += loss / s.accumulate
+                grads = g if grads is None else [a.add_(b) for a, b in zip(grads, g)]
             for p, g in zip(params, grads):
-                p.grad = g
+                p.grad = g.div_(s.accumulate) if s.accumulate > 1 else g
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
-            losses.append(loss.item())
-            tokens = len(losses) * s.batch * s.ctx
-            bar.set_postfix(loss=f"{losses[-1]:.4f}", tok_s=f"{tokens / (time.perf_counter() - start):.0f}")
+            losses.append(step_loss)
+            tokens = len(losses) * s.accumulate * s.batch * s.ctx
+            bar.set_postfix(loss=f"{step_loss:.4f}", tok_s=f"{tokens / (time.perf_counter() - start):.0f}")
             bar.update()
+            hooks.on_step({"epoch": epoch, "step": len(losses), "loss": step_loss, "steps": total})
         epoch_seconds.append(time.perf_counter() - t0)
         if len(losses) == total:
             break
@@ -136,6 +208,7 @@ def finetune(s: Settings, *, progress: bool = True) -> dict:
     elapsed = time.perf_counter() - start
 
     outputs = save_model(loaded, s.out) if s.out else []
+    chunks = window.chunk_seconds
     return {
         "model": loaded.name,
         "losses": losses,
@@ -143,10 +216,14 @@ def finetune(s: Settings, *, progress: bool = True) -> dict:
         "recompute_reason": reason,
         "plan": plans["on" if use_recompute else "off"].as_dict(),
         "plans": {k: p.as_dict() for k, p in plans.items()},
-        "measured": measured.as_dict(),
+        "measured": window.measured.as_dict(),
         "steps": len(losses),
         "seconds_per_epoch": statistics.mean(epoch_seconds),
-        "tokens_per_second": len(losses) * s.batch * s.ctx / elapsed,
+        "tokens_per_second": len(losses) * s.accumulate * s.batch * s.ctx / elapsed,
+        "chunks": len(chunks),
+        "chunk_seconds": chunks,
+        "window_p50": percentile(chunks, 0.5),
+        "window_p95": percentile(chunks, 0.95),
         "settings": {**asdict(s), "data": s.data if isinstance(s.data, str) or s.data is None else "<records>",
                      "memory_budget": budget},
         "outputs": outputs,

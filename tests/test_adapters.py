@@ -1,0 +1,336 @@
+"""LoRA adapters: PEFT wrapping, the saved folder, the llama.cpp GGUF adapter, merging into the base."""
+
+from __future__ import annotations
+
+import json
+import os
+import warnings
+from pathlib import Path
+
+import gguf
+import numpy as np
+import peft
+import pytest
+import torch
+import transformers
+from transformers.modeling_gguf_pytorch_utils import LlamaTensorProcessor
+
+from remat.adapters import AdapterError, LoraSettings, apply_lora, merge_into_base, save_adapter
+from remat.models import build_from_config, default_gguf_path, load_model
+
+SMOL = "smollm2"  # marks the parameter that means the real SmolLM2 GGUF
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _cache_dir(tmp_path_factory):
+    # The SmolLM2 GGUF -> safetensors conversion (~25 s) happens once for the module, in a fresh cache.
+    old = os.environ.get("REMAT_CACHE_DIR")
+    os.environ["REMAT_CACHE_DIR"] = str(tmp_path_factory.mktemp("remat-cache"))
+    yield
+    if old is None:
+        del os.environ["REMAT_CACHE_DIR"]
+    else:
+        os.environ["REMAT_CACHE_DIR"] = old
+
+
+def spec_of(name: str) -> str | None:
+    return None if name == SMOL else name
+
+
+def perturbed(name: str, settings: LoraSettings | None = None, seed: int = 0) -> peft.PeftModel:
+    """A LoRA model whose B is not zero (at init it is, and every comparison would pass trivially)."""
+    model = apply_lora(load_model(spec_of(name), seed=seed).model, settings or LoraSettings(), seed=seed)
+    g = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if "lora_B" in n:
+                p.copy_(torch.randn(p.shape, generator=g) * 0.05)
+    return model.eval()
+
+
+def logits(model: torch.nn.Module, vocab: int) -> torch.Tensor:
+    ids = torch.randint(0, vocab, (2, 16), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        return model(input_ids=ids).logits
+
+
+def decoder_linears(model: torch.nn.Module) -> set[str]:
+    return {n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and ".layers." in n}
+
+
+def adapted(model: peft.PeftModel) -> set[str]:
+    return {n for n, m in model.get_base_model().named_modules() if isinstance(m, peft.tuners.lora.LoraLayer)}
+
+
+# ---------------------------------------------------------------------------------------------------------
+# apply_lora
+
+
+@pytest.mark.parametrize("name", ["tiny-llama", "tiny-qwen35"])
+def test_apply_lora_trains_only_the_adapter(name):
+    base = load_model(name).model
+    linears = decoder_linears(base)
+    model = apply_lora(base, LoraSettings())
+    trainable = {n for n, p in model.named_parameters() if p.requires_grad}
+    assert trainable and all(".lora_A." in n or ".lora_B." in n for n in trainable)
+    assert all(not p.requires_grad for n, p in model.named_parameters() if "lora_" not in n)
+    # Every linear layer of the decoder, and not the head.
+    assert adapted(model) == linears
+    assert "lm_head" not in adapted(model)
+    if name == "tiny-llama":
+        kinds = {n.rsplit(".", 1)[1] for n in linears}
+        assert kinds == {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"}
+
+
+def test_apply_lora_targets():
+    model = apply_lora(load_model("tiny-llama").model, LoraSettings(r=4, alpha=8, targets=["q_proj", "v_proj"]))
+    assert adapted(model) == {f"model.layers.{i}.self_attn.{p}" for i in range(2) for p in ("q_proj", "v_proj")}
+    a = model.get_base_model().model.layers[0].self_attn.q_proj.lora_A["default"].weight
+    assert a.shape == (4, 64)
+
+
+@pytest.mark.parametrize("settings, message", [
+    (LoraSettings(r=0), "rank r must be a positive integer"),
+    (LoraSettings(r=2.5), "rank r must be a positive integer"),
+    (LoraSettings(alpha=0), "alpha must be positive"),
+    (LoraSettings(dropout=1.0), r"dropout must be in \[0, 1\)"),
+    (LoraSettings(dropout=-0.1), r"dropout must be in \[0, 1\)"),
+    (LoraSettings(targets=[]), "targets is empty"),
+    (LoraSettings(targets=["q_proj", "qproj", "embed_tokens"]), "match no linear layer: qproj, embed_tokens$"),
+])
+def test_apply_lora_bad_settings(settings, message):
+    base = load_model("tiny-llama").model
+    with pytest.raises(AdapterError, match=message):
+        apply_lora(base, settings)
+    assert all(p.requires_grad for p in base.parameters())  # the model is left as it was
+    assert not any(isinstance(m, peft.tuners.lora.LoraLayer) for m in base.modules())
+
+
+def test_apply_lora_twice_is_refused():
+    model = apply_lora(load_model("tiny-llama").model, LoraSettings())
+    with pytest.raises(AdapterError, match="already has an adapter"):
+        apply_lora(model, LoraSettings())
+
+
+def test_apply_lora_init_is_deterministic_per_seed():
+    def lora_a(seed: int) -> list[torch.Tensor]:
+        model = apply_lora(load_model("tiny-llama").model, LoraSettings(), seed=seed)
+        return [p.detach().clone() for n, p in model.named_parameters() if "lora_A" in n]
+
+    state = torch.random.get_rng_state()
+    first, again, other = lora_a(0), lora_a(0), lora_a(1)
+    assert torch.equal(torch.random.get_rng_state(), state)  # the caller's RNG is untouched
+    assert all(torch.equal(x, y) for x, y in zip(first, again))
+    assert not any(torch.equal(x, y) for x, y in zip(first, other))
+
+
+# ---------------------------------------------------------------------------------------------------------
+# save_adapter: the PEFT files
+
+
+@pytest.mark.parametrize("name", ["tiny-llama", "tiny-qwen35"])
+def test_saved_adapter_reloads_with_the_same_logits(name, tmp_path):
+    model = perturbed(name, seed=5)
+    out = tmp_path / "adapter"
+    files = save_adapter(model, out, base_name=name)
+    assert {Path(f).name for f in files} >= {"adapter_config.json", "adapter_model.safetensors", "adapter.gguf"}
+    assert all(Path(f).is_file() and Path(f).parent == out for f in files)
+    assert json.loads((out / "adapter_config.json").read_text())["base_model_name_or_path"] == name
+
+    lm = load_model(name, seed=5)
+    reloaded = peft.PeftModel.from_pretrained(lm.model, out).eval()
+    want = logits(model, len(lm.tokenizer))
+    got = logits(reloaded, len(lm.tokenizer))
+    assert (got - want).abs().max() <= 1e-5
+    with reloaded.disable_adapter():  # the adapter matters, so the comparison above is not trivial
+        assert (logits(reloaded, len(lm.tokenizer)) - want).abs().max() > 1e-3
+
+
+def test_save_refuses_a_non_empty_folder(tmp_path):
+    model = perturbed("tiny-llama")
+    out = tmp_path / "adapter"
+    out.mkdir()
+    (out / "notes.txt").write_text("mine")
+    (out / "sub").mkdir()
+    before = {p: p.read_bytes() if p.is_file() else None for p in out.rglob("*")}
+    with pytest.raises(AdapterError, match="not an empty folder"):
+        save_adapter(model, out, base_name="tiny-llama")
+    assert {p: p.read_bytes() if p.is_file() else None for p in out.rglob("*")} == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["adapter"]  # no temporary folder left behind
+
+
+def test_save_into_an_empty_folder_or_a_new_path(tmp_path):
+    model = perturbed("tiny-llama")
+    (tmp_path / "empty").mkdir()
+    for out in (tmp_path / "empty", tmp_path / "new" / "deeper"):
+        files = save_adapter(model, out, base_name="tiny-llama")
+        assert sorted(str(p) for p in out.iterdir()) == files
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["empty", "new"]
+    with pytest.raises(AdapterError, match="not an empty folder"):
+        save_adapter(model, tmp_path / "empty" / "adapter.gguf", base_name="tiny-llama")
+
+
+def test_unsupported_architecture_skips_only_the_gguf(tmp_path):
+    config = transformers.AutoConfig.for_model(
+        "mistral", vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+        num_attention_heads=2, num_key_value_heads=1)
+    model = apply_lora(build_from_config(config), LoraSettings(r=2))
+    with pytest.warns(UserWarning, match="adapter.gguf not written: GGUF adapter export is not supported for "
+                                         "mistral"):
+        files = save_adapter(model, tmp_path / "a", base_name="some/folder")
+    assert sorted(Path(f).name for f in files) == ["README.md", "adapter_config.json", "adapter_model.safetensors"]
+
+
+# ---------------------------------------------------------------------------------------------------------
+# the GGUF adapter
+
+
+def read_adapter(path: Path) -> tuple[dict, dict[str, np.ndarray]]:
+    reader = gguf.GGUFReader(path)
+    fields = {k: f.contents() for k, f in reader.fields.items() if not k.startswith("GGUF.")}
+    for t in reader.tensors:
+        assert t.tensor_type == gguf.GGMLQuantizationType.F32, t.name
+    return fields, {t.name: np.array(t.data) for t in reader.tensors}
+
+
+def unpermute_llama(b: np.ndarray, gguf_name: str, config) -> np.ndarray:
+    """Undo the Q/K row permutation with transformers' own GGUF loader code (the inverse of llama.cpp's)."""
+    processor = LlamaTensorProcessor(config={"num_attention_heads": config.num_attention_heads,
+                                             "num_key_value_heads": config.num_key_value_heads})
+    return processor.process(b, gguf_name).weights
+
+
+def untile_v_heads(t: np.ndarray, dim: int, n_k: int, v_per_k: int, head_dim: int) -> np.ndarray:
+    """Tiled [K0v0, K1v0, K0v1, K1v1] back to grouped [K0v0, K0v1, K1v0, K1v1] along `dim`."""
+    shape = t.shape
+    t = t.reshape(*shape[:dim], v_per_k, n_k, head_dim, *shape[dim + 1:])
+    return t.swapaxes(dim, dim + 1).reshape(shape)
+
+
+def to_hf_layout(arch: str, hf_name: str, gguf_name: str, a: np.ndarray, b: np.ndarray, config):
+    if arch == "llama":
+        return a, unpermute_llama(b, gguf_name, config)
+    if arch == "qwen35" and ".linear_attn." in hf_name:
+        n_k, n_v = config.linear_num_key_heads, config.linear_num_value_heads
+        v_per_k, dk, dv = n_v // n_k, config.linear_key_head_dim, config.linear_value_head_dim
+        if hf_name.endswith("in_proj_qkv"):
+            qk = 2 * n_k * dk
+            b = np.concatenate([b[:qk], untile_v_heads(b[qk:], 0, n_k, v_per_k, dv)])
+        elif hf_name.endswith("in_proj_z"):
+            b = untile_v_heads(b, 0, n_k, v_per_k, dv)
+        elif hf_name.endswith(("in_proj_a", "in_proj_b")):
+            b = untile_v_heads(b, 0, n_k, v_per_k, 1)
+        elif hf_name.endswith("out_proj"):
+            a = untile_v_heads(a, 1, n_k, v_per_k, dv)
+    return a, b
+
+
+def test_v_head_reorder_matches_the_documented_order():
+    # llama.cpp's converter: grouped [K0v0, K0v1, K1v0, K1v1] -> tiled [K0v0, K1v0, K0v1, K1v1].
+    from remat.adapters import _reorder_v_heads
+
+    grouped = np.arange(4).reshape(4, 1)
+    assert _reorder_v_heads(grouped, 0, 2, 2, 1).ravel().tolist() == [0, 2, 1, 3]
+    x = np.random.default_rng(0).standard_normal((3, 2 * 3 * 4))
+    assert np.array_equal(untile_v_heads(_reorder_v_heads(x, 1, 2, 3, 4), 1, 2, 3, 4), x)
+
+
+@pytest.mark.parametrize("name", ["tiny-llama", "tiny-qwen35", SMOL])
+def test_gguf_adapter_applied_by_hand_equals_the_peft_merge(name, tmp_path):
+    settings = LoraSettings(r=4, alpha=12)
+    model = perturbed(name, settings)
+    config = model.get_base_model().config
+    arch = {"llama": "llama", "qwen3_5_text": "qwen35"}[config.model_type]
+    base_gguf = default_gguf_path() if name == SMOL else None
+    save_adapter(model, tmp_path / "a", base_name=name if name != SMOL else "default", base_gguf=base_gguf)
+    fields, tensors = read_adapter(tmp_path / "a" / "adapter.gguf")
+
+    assert fields == {"general.architecture": arch, "general.type": "adapter", "adapter.type": "lora",
+                      "adapter.lora.alpha": 12.0}
+    name_map = gguf.get_tensor_name_map(gguf.MODEL_ARCH.QWEN35 if arch == "qwen35" else gguf.MODEL_ARCH.LLAMA,
+                                        config.num_hidden_layers)
+    targets = {name_map.get_name(n + ".weight", try_suffixes=(".weight",)): n for n in adapted(model)}
+    assert set(tensors) == {t + s for t in targets for s in (".lora_a", ".lora_b")}
+    if base_gguf is not None:
+        base = {t.name: t for t in gguf.GGUFReader(base_gguf).tensors}
+        assert set(targets) <= set(base)
+        for t in targets:  # llama.cpp's loader checks: a.ne[0] == W.ne[0], b.ne[1] == W.ne[1]
+            assert tensors[t + ".lora_a"].shape[1] == base[t].shape[0]
+            assert tensors[t + ".lora_b"].shape[0] == base[t].shape[1]
+
+    weights = {n: m.weight.detach().clone() for n, m in model.get_base_model().named_modules() if n in adapted(model)}
+    merged = dict(model.merge_and_unload().named_modules())
+    scale = 12.0 / 4
+    for gguf_name, hf_name in targets.items():
+        a, b = tensors[gguf_name + ".lora_a"], tensors[gguf_name + ".lora_b"]
+        w = weights[hf_name]
+        assert a.shape == (4, w.shape[1]) and b.shape == (w.shape[0], 4)
+        a, b = to_hf_layout(arch, hf_name, gguf_name, a, b, config)
+        # The same float32 ops as PEFT's merge (W + (B @ A) * scale), so the result is bit-identical.
+        by_hand = w + (torch.from_numpy(b) @ torch.from_numpy(a)) * scale
+        assert torch.equal(by_hand, merged[hf_name].weight), hf_name
+
+    if base_gguf is not None:
+        # Apply the adapter to the base GGUF tensor itself, in GGUF row order, as llama.cpp does.
+        for gguf_name in ("blk.5.attn_q.weight", "blk.5.attn_k.weight"):
+            t = base[gguf_name]
+            w = gguf.quants.dequantize(t.data, t.tensor_type)  # [out, in], Q/K rows permuted
+            w = w + scale * (tensors[gguf_name + ".lora_b"] @ tensors[gguf_name + ".lora_a"])
+            # Back to HF order, as transformers does when it loads a GGUF. numpy's and torch's matmuls
+            # round differently in the last bit, so this is compared to 1e-6, not exactly.
+            got = torch.from_numpy(unpermute_llama(w, gguf_name, config))
+            assert (got - merged[targets[gguf_name]].weight).abs().max() <= 1e-6
+
+
+def test_gguf_adapter_is_checked_against_the_base_gguf(tmp_path):
+    model = perturbed("tiny-llama")
+    with pytest.raises(AdapterError, match="is 64x64, but 'blk.0.attn_q.weight' in the base GGUF is 576x576"):
+        save_adapter(model, tmp_path / "a", base_name="tiny-llama", base_gguf=default_gguf_path())
+    assert not (tmp_path / "a").exists()
+    qwen = perturbed("tiny-qwen35")
+    with pytest.raises(AdapterError, match="is a llama model, the adapter is for qwen35"):
+        save_adapter(qwen, tmp_path / "b", base_name="tiny-qwen35", base_gguf=default_gguf_path())
+
+
+# ---------------------------------------------------------------------------------------------------------
+# merge_into_base
+
+
+@pytest.mark.parametrize("name", ["tiny-llama", SMOL])
+def test_merge_into_base_gives_the_adapted_logits(name, tmp_path):
+    model = perturbed(name)
+    save_adapter(model, tmp_path / "a", base_name=name if name != SMOL else "default")
+    # No base given: the one recorded in the adapter (the embedded default model for SMOL).
+    files = merge_into_base(None, tmp_path / "a", tmp_path / "merged")
+    assert {"config.json", "model.safetensors", "tokenizer.json"} <= {Path(f).name for f in files}
+    assert all(Path(f).is_file() for f in files)
+
+    merged = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "merged", local_files_only=True).eval()
+    tokenizer = transformers.AutoTokenizer.from_pretrained(tmp_path / "merged", local_files_only=True)
+    vocab = len(tokenizer)
+    want = logits(model, vocab)
+    # The folder holds exactly PEFT's merged weights.
+    in_memory = model.merge_and_unload().state_dict()
+    saved = merged.state_dict()
+    assert saved.keys() == in_memory.keys()
+    assert all(torch.equal(saved[k], in_memory[k]) for k in saved)
+    # Merged (W + s·B·A)·x and unmerged W·x + s·B·(A·x) round differently; through SmolLM2's 30 layers, to
+    # logits of size ~20, that adds up to ~1e-4 (float32 resolution there is 2e-6).
+    assert (logits(merged, vocab) - want).abs().max() <= (1e-5 if name != SMOL else 3e-4)
+
+
+def test_merge_errors(tmp_path):
+    model = perturbed("tiny-llama")
+    save_adapter(model, tmp_path / "a", base_name="tiny-llama")
+    with pytest.raises(AdapterError, match="not an adapter folder"):
+        merge_into_base(None, tmp_path, tmp_path / "m")
+    with pytest.raises(AdapterError, match="does not fit the base model 'tiny-qwen35'"):
+        merge_into_base("tiny-qwen35", tmp_path / "a", tmp_path / "m")
+    with pytest.raises(AdapterError, match="does not fit the base model 'tiny-llama'"), warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # PEFT warns about the adapter weights it cannot place
+        merge_into_base(None, tmp_path / "a", tmp_path / "m", num_layers=1)
+    with pytest.raises(AdapterError, match="cannot load the base model"):
+        merge_into_base("no-such-model", tmp_path / "a", tmp_path / "m")
+    with pytest.raises(AdapterError, match="not an empty folder"):
+        merge_into_base(None, tmp_path / "a", tmp_path / "a")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a"]

@@ -1,0 +1,436 @@
+"""The `remat` command line, end to end: the real CLI in a subprocess, real files, no mocks.
+
+Every run is `python -m remat.cli ...` with REMAT_CACHE_DIR pointing at one temporary cache for
+the whole module (the embedded SmolLM2 GGUF is converted once, ~25 s). Starting a process costs
+~4 s (importing torch and transformers), so independent runs go through a two-worker pool and a
+test starts all of its runs before it waits on any; the SmolLM2 conversion starts in the
+background when the module's first test runs.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+MiB = 1 << 20
+GiB = 1 << 30
+CATEGORIES = ("params", "frozen", "grads", "optimizer", "graph", "cache", "total")
+TINY = ("--ctx", "64", "--batch", "2")  # the tiny presets' shape everywhere below
+SMOL_TESTS = ("test_smollm2_recompute_on_off_identical", "test_smollm2_loss_goes_down_on_one_batch")
+TIMEOUT_S = 300
+
+
+# --------------------------------------------------------------------------------------------------
+# running the CLI
+
+
+@dataclass
+class Run:
+    argv: list[str]
+    rc: int
+    out: str
+    err: str
+    seconds: float
+    maxrss: int  # the child's peak resident set, bytes
+
+    def json(self) -> dict:
+        return json.loads(self.out)
+
+    def __repr__(self) -> str:  # what a failing assert shows
+        return (f"Run(remat {' '.join(self.argv)}) -> rc {self.rc} in {self.seconds:.1f} s\n"
+                f"--- stdout ---\n{self.out[-3000:]}\n--- stderr ---\n{self.err[-3000:]}")
+
+
+def _run(argv: list[str], env: dict[str, str], cwd: Path) -> Run:
+    """One CLI process; its own rusage via wait4, so concurrent runs do not mix their peaks."""
+    out_path, err_path = cwd / f".out-{threading.get_ident()}", cwd / f".err-{threading.get_ident()}"
+    with open(out_path, "wb") as out, open(err_path, "wb") as err:
+        start = time.perf_counter()
+        p = subprocess.Popen([sys.executable, "-m", "remat.cli", *argv], stdin=subprocess.DEVNULL,
+                             stdout=out, stderr=err, env=env, cwd=cwd)
+        timer = threading.Timer(TIMEOUT_S, p.kill)
+        timer.start()
+        try:
+            _, status, usage = os.wait4(p.pid, 0)
+        finally:
+            timer.cancel()
+        p.returncode = os.waitstatus_to_exitcode(status)
+        seconds = time.perf_counter() - start
+    run = Run(argv, p.returncode, out_path.read_text(), err_path.read_text(), seconds, usage.ru_maxrss * 1024)
+    out_path.unlink()
+    err_path.unlink()
+    if seconds >= TIMEOUT_S:
+        pytest.fail(f"timed out after {TIMEOUT_S} s: {run!r}")
+    return run
+
+
+class Cli:
+    """`cli(*args)` runs and waits; `cli.start(*args)` returns a Future; `cli.many([...])` runs a batch."""
+
+    def __init__(self, env: dict[str, str], cwd: Path):
+        self.env, self.cwd = env, cwd
+        self.pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="remat-cli")
+
+    def start(self, *argv: object) -> Future:
+        return self.pool.submit(_run, [str(a) for a in argv], self.env, self.cwd)
+
+    def __call__(self, *argv: object) -> Run:
+        return self.start(*argv).result()
+
+    def many(self, *argvs: tuple | list) -> list[Run]:
+        futures = [self.start(*a) for a in argvs]
+        return [f.result() for f in futures]
+
+
+@pytest.fixture(scope="module")
+def cli(tmp_path_factory) -> Cli:
+    env = {k: v for k, v in os.environ.items() if k != "REMAT_DEBUG"}  # errors must not need it
+    env["REMAT_CACHE_DIR"] = str(tmp_path_factory.mktemp("remat-cache"))
+    env["OMP_NUM_THREADS"] = "1"  # see conftest._one_thread: two threads on a busy 2-core box crawl
+    env["PYTHONWARNINGS"] = "ignore"
+    c = Cli(env, tmp_path_factory.mktemp("cwd"))
+    yield c
+    c.pool.shutdown(wait=True)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def default_model_converted(request, cli, tmp_path_factory) -> Future | None:
+    """Start converting the embedded GGUF at once, if a SmolLM2 test is selected.
+
+    A data error comes after the model is loaded, so a run with a missing --data file converts
+    the model into the cache and exits 2 without training.
+    """
+    if not any(item.name in SMOL_TESTS for item in request.session.items):
+        return None
+    missing = tmp_path_factory.mktemp("warm") / "missing.txt"
+    return cli.start("finetune", "--ctx", "32", "--steps", "1", "--data", missing)
+
+
+def assert_one_error_line(r: Run, code: int, *needles: str) -> str:
+    """Exit `code`, stdout empty, stderr exactly one 'remat: error:' line naming every needle."""
+    assert r.rc == code, r
+    assert "Traceback" not in r.err, r
+    assert r.out == "", r
+    lines = r.err.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("remat: error:"), r
+    for needle in needles:
+        assert needle in lines[0], (needle, r)
+    return lines[0]
+
+
+def assert_plan(p: dict) -> None:
+    assert set(CATEGORIES) <= set(p), p
+    assert all(type(p[c]) is int and p[c] >= 0 for c in CATEGORIES), p
+    assert p["total"] == sum(p[c] for c in CATEGORIES if c != "total"), p
+    assert p["graph"] > 0 and p["params"] > 0, p
+
+
+def finite_losses(r: Run, n: int) -> list[float]:
+    losses = r.json()["losses"]
+    assert len(losses) == n and all(type(x) is float and math.isfinite(x) for x in losses), r
+    return losses
+
+
+# --------------------------------------------------------------------------------------------------
+# 1. bad input: exit 2, one line, no traceback, nothing written
+
+
+def _write_cases(d: Path) -> dict[str, tuple[list, tuple[str, ...]]]:
+    """name -> (argv, words the error line must contain)."""
+    (d / "a_dir").mkdir()
+    (d / "bad.jsonl").write_text('{"text": "fine"}\n{"text": "oops\n{"text": "fine"}\n')
+    (d / "no_assistant.jsonl").write_text(json.dumps({"messages": [{"role": "user", "content": "hi"}]}) + "\n")
+    (d / "empty.txt").write_text("")
+    (d / "empty.jsonl").write_text("\n\n")
+    tiny = ["--model", "tiny-llama", *TINY, "--steps", "1"]
+    return {
+        "missing data": (["finetune", *tiny, "--data", d / "missing.txt"], ("missing.txt", "no such file")),
+        "data is a directory": (["finetune", *tiny, "--data", d / "a_dir"], ("a_dir", "directory")),
+        "unknown preset": (["finetune", "--model", "nope"], ("'nope'", "unknown model")),
+        "malformed jsonl": (["finetune", *tiny, "--data", d / "bad.jsonl"], ("bad.jsonl line 2", "not valid JSON")),
+        "no assistant turn": (["finetune", *tiny, "--data", d / "no_assistant.jsonl"],
+                              ("no_assistant.jsonl line 1", "no assistant")),
+        "empty text file": (["finetune", *tiny, "--data", d / "empty.txt"], ("empty.txt", "empty")),
+        "empty jsonl file": (["finetune", *tiny, "--data", d / "empty.jsonl"], ("empty.jsonl", "empty")),
+        "ctx above maximum": (["finetune", "--model", "tiny-llama", "--ctx", "4096", "--steps", "1"],
+                              ("--ctx 4096", "maximum context 2048")),
+        "verify ctx above maximum": (["verify", "--model", "tiny-llama", "--ctx", "4096"],
+                                     ("--ctx 4096", "maximum context 2048")),
+        "plan unknown preset": (["plan", "--model", "nope"], ("'nope'", "unknown model")),
+    }
+
+
+BAD_CASES = ("missing data", "data is a directory", "unknown preset", "malformed jsonl", "no assistant turn",
+             "empty text file", "empty jsonl file", "ctx above maximum", "verify ctx above maximum",
+             "plan unknown preset")
+
+
+@pytest.fixture(scope="module")
+def bad_runs(cli, tmp_path_factory) -> dict[str, tuple[Run, Path, tuple[str, ...]]]:
+    """All bad-input runs at once; each finetune run has its own --out folder that must not appear."""
+    d = tmp_path_factory.mktemp("bad")
+    cases = _write_cases(d)
+    assert set(cases) == set(BAD_CASES)
+    argvs, outs = [], []
+    for name, (argv, _) in cases.items():
+        out = d / ("out-" + name.replace(" ", "-"))
+        outs.append(out)
+        argvs.append([*argv, "--out", out] if argv[0] == "finetune" else argv)
+    runs = cli.many(*argvs)
+    return {name: (r, out, cases[name][1]) for name, r, out in zip(cases, runs, outs)}
+
+
+@pytest.mark.parametrize("name", BAD_CASES)
+def test_bad_input_exits_2_with_one_line(bad_runs, name):
+    r, out, needles = bad_runs[name]
+    assert_one_error_line(r, 2, *needles)
+    assert not out.exists(), f"--out {out} was created by a run that failed: {r!r}"
+
+
+@pytest.mark.parametrize("option,value", [("--ctx", "0"), ("--batch", "-1"), ("--epochs", "0"), ("--lr", "0"),
+                                          ("--steps", "0"), ("--lr", "-1e-4"), ("--ctx", "x"),
+                                          ("--memory-budget", "0"), ("--memory-budget", "lots")])
+def test_non_positive_numbers_are_usage_errors(cli, tmp_path, option, value):
+    out = tmp_path / "out"
+    r = cli("finetune", "--model", "tiny-llama", option, value, "--out", out)
+    assert r.rc == 2, r
+    assert "Traceback" not in r.err and r.out == "", r
+    assert "error" in r.err and option in r.err and "usage:" in r.err, r
+    assert not out.exists()
+
+
+@pytest.fixture(scope="module")
+def nonempty_out(cli, tmp_path_factory) -> tuple[Run, Path, dict]:
+    parent = tmp_path_factory.mktemp("nonempty")
+    out = parent / "out"
+    out.mkdir()
+    (out / "notes.txt").write_text("mine\n")
+    (out / "sub").mkdir()
+    (out / "sub" / "w.bin").write_bytes(b"\x00\x01")
+    before = {p.relative_to(parent): (p.read_bytes() if p.is_file() else None) for p in parent.rglob("*")}
+    r = cli("finetune", "--model", "tiny-llama", *TINY, "--steps", "2", "--out", out)
+    return r, parent, before
+
+
+def test_out_nonempty_folder_is_refused_and_untouched(nonempty_out):
+    r, parent, before = nonempty_out
+    assert r.rc == 2, r
+    assert "Traceback" not in r.err and r.out == "", r
+    last = r.err.splitlines()[-1]
+    assert last.startswith("remat: error:") and str(parent / "out") in last and "not an empty folder" in last, r
+    after = {p.relative_to(parent): (p.read_bytes() if p.is_file() else None) for p in parent.rglob("*")}
+    assert after == before  # nothing added next to it (no leftover temp folder), nothing changed inside
+
+
+@pytest.mark.xfail(strict=True, reason="library bug: --out is checked only in save_model, after training "
+                   "(train.py finetune -> save_model), so a non-empty --out trains every step, prints the "
+                   "progress bar, then refuses; it should be refused up front like other bad input")
+def test_out_nonempty_folder_is_refused_before_training(nonempty_out):
+    r, parent, _ = nonempty_out
+    assert_one_error_line(r, 2, str(parent / "out"))
+
+
+# --------------------------------------------------------------------------------------------------
+# 2-4. finetune receipts on the tiny presets
+
+
+def test_finetune_json_receipt_and_saved_model(cli, tmp_path):
+    out = tmp_path / "trained"
+    r = cli("finetune", "--model", "tiny-llama", "--json", "--steps", "3", *TINY, "--out", out)
+    assert r.rc == 0, r
+    receipt = r.json()  # the whole of stdout is one JSON object
+    assert isinstance(receipt, dict) and r.out.count("\n") == 1 and r.out.endswith("}\n"), r
+    assert "finetune" in r.err and "3/3" in r.err, r  # the progress bar went to stderr
+
+    finite_losses(r, 3)
+    assert receipt["recompute"] is False  # auto, and 3 MiB fits any machine's free memory
+    assert isinstance(receipt["recompute_reason"], str) and "fits the budget" in receipt["recompute_reason"]
+    assert_plan(receipt["plan"])
+    assert receipt["plan"] == receipt["plans"]["off"]
+    assert type(receipt["measured"]["graph"]) is int and receipt["measured"]["graph"] > 0
+    assert receipt["seconds_per_epoch"] > 0 and receipt["tokens_per_second"] > 0
+    s = receipt["settings"]
+    assert (s["model"], s["ctx"], s["batch"], s["steps"], s["epochs"], s["seed"], s["recompute"], s["out"]) == (
+        "tiny-llama", 64, 2, 3, 1, 0, "auto", str(out))
+    assert s["lr"] == 1e-4 and type(s["memory_budget"]) is int and s["memory_budget"] > 0
+
+    files = sorted(str(p) for p in out.iterdir())
+    assert receipt["outputs"] == files
+    assert (out / "config.json").is_file() and list(out.glob("*.safetensors")), files
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # no temp folder left behind
+
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(out)
+    assert model.config.model_type == "llama"
+    numel = sum(p.numel() for p in model.parameters())
+    assert numel * 4 == receipt["plan"]["params"]  # every trained parameter saved, float32
+
+
+def test_same_seed_same_losses_bitwise(cli):
+    args = ("finetune", "--model", "tiny-llama", "--json", "--steps", "3", *TINY)
+    a, b, other = cli.many(args, args, (*args, "--seed", "1"))
+    assert a.rc == b.rc == other.rc == 0, (a, b, other)
+    assert finite_losses(a, 3) == finite_losses(b, 3)  # exact float equality
+    assert finite_losses(other, 3) != a.json()["losses"]
+
+
+@pytest.mark.parametrize("model", ["tiny-llama", "tiny-qwen35"])
+def test_recompute_on_off_same_losses(cli, model):
+    args = ("finetune", "--model", model, "--json", "--steps", "3", *TINY)
+    on, off = cli.many((*args, "--recompute", "on"), (*args, "--recompute", "off"))
+    assert on.rc == off.rc == 0, (on, off)
+    r_on, r_off = on.json(), off.json()
+    assert finite_losses(on, 3) == finite_losses(off, 3)
+    assert r_on["recompute"] is True and r_off["recompute"] is False
+    assert r_on["plan"] == r_on["plans"]["on"] and r_off["plan"] == r_off["plans"]["off"]
+    assert r_on["plans"] == r_off["plans"]
+    assert r_on["plan"]["graph"] < r_off["plan"]["graph"]
+    assert r_on["plan"]["total"] < r_off["plan"]["total"]
+    for r in (r_on, r_off):  # DESIGN §4: planner and measurement agree within 5%
+        assert abs(r["measured"]["graph"] - r["plan"]["graph"]) <= 0.05 * r["plan"]["graph"], r
+    assert r_on["measured"]["graph"] < r_off["measured"]["graph"]
+
+
+# --------------------------------------------------------------------------------------------------
+# 5. the real SmolLM2 weights
+
+
+def test_smollm2_recompute_on_off_identical(cli, default_model_converted):
+    warm = default_model_converted.result()
+    assert_one_error_line(warm, 2, "missing.txt")  # converted the model, then refused the data
+    args = ("finetune", "--ctx", "32", "--steps", "4", "--json", "--lr", "1e-4")
+    on, off = cli.many((*args, "--recompute", "on"), (*args, "--recompute", "off"))
+    assert on.rc == off.rc == 0, (on, off)
+    assert on.json()["model"] == off.json()["model"]
+    assert on.json()["recompute"] is True and off.json()["recompute"] is False
+    assert finite_losses(on, 4) == finite_losses(off, 4)  # to the last digit
+    assert all(0 < x < 20 for x in on.json()["losses"])  # a trained model on English: not ~ln(49152) = 10.8+
+
+
+def test_smollm2_loss_goes_down_on_one_batch(cli, default_model_converted, tmp_path):
+    default_model_converted.result()
+    text = tmp_path / "one.txt"  # ~20 tokens: exactly one window of 32
+    text.write_text("The quick brown fox jumps over the lazy dog. remat keeps only the layer boundaries.\n")
+    r = cli("finetune", "--ctx", "32", "--data", text, "--epochs", "4", "--json", "--lr", "1e-4")
+    assert r.rc == 0, r
+    losses = finite_losses(r, 4)  # one step per epoch: the same batch every time
+    assert all(b < a for a, b in zip(losses, losses[1:])), losses
+    assert losses[-1] < losses[0] / 2, losses
+
+
+# --------------------------------------------------------------------------------------------------
+# 6. the memory gate
+
+
+@pytest.fixture(scope="module")
+def tiny_plans(cli) -> dict[str, dict]:
+    r = cli("plan", "--model", "tiny-llama", *TINY, "--json")
+    assert r.rc == 0, r
+    return r.json()["plans"]
+
+
+def test_gate_refuses_tiny_budget_before_training(cli, tmp_path):
+    out = tmp_path / "out"
+    r = cli("finetune", "--model", "tiny-llama", *TINY, "--memory-budget", "1MiB", "--out", out)
+    line = assert_one_error_line(r, 3, "recompute off:", "recompute on:", "1.0 MiB")  # no progress bar
+    assert "MiB (graph" in line
+    assert not out.exists()
+    assert r.seconds < 60, r
+
+
+def test_gate_auto_chooses_by_budget(cli, tiny_plans):
+    off, on = tiny_plans["off"]["total"], tiny_plans["on"]["total"]
+    assert on < off
+    budgets = {"off + 1 MiB": off + MiB, "exactly off": off, "between": (on + off) // 2, "exactly on": on,
+               "below on": on - 1}
+    args = ("finetune", "--model", "tiny-llama", *TINY, "--steps", "1", "--json", "--recompute", "auto")
+    runs = dict(zip(budgets, cli.many(*[(*args, "--memory-budget", f"{b}B") for b in budgets.values()])))
+
+    for name, expect in [("off + 1 MiB", False), ("exactly off", False), ("between", True), ("exactly on", True)]:
+        r = runs[name]
+        assert r.rc == 0, r
+        receipt = r.json()
+        assert receipt["recompute"] is expect, (name, receipt["recompute_reason"])
+        assert receipt["settings"]["memory_budget"] == budgets[name]
+        assert receipt["plans"] == tiny_plans  # the plan from the config alone is the plan of the real run
+    reason = runs["between"].json()["recompute_reason"]
+    assert "budget" in reason and f"{budgets['between'] / MiB:,.1f} MiB" in reason, reason
+    assert f"{off / MiB:,.1f} MiB" in reason, reason  # says why off did not do
+
+    line = assert_one_error_line(runs["below on"], 3)
+    assert f"recompute off: {off / MiB:,.1f} MiB" in line and f"recompute on: {on / MiB:,.1f} MiB" in line, line
+
+
+def test_gate_forced_setting_is_held_to_the_budget(cli, tiny_plans):
+    """--recompute off is refused where only on fits; --recompute on runs there."""
+    off, on = tiny_plans["off"]["total"], tiny_plans["on"]["total"]
+    args = ("finetune", "--model", "tiny-llama", *TINY, "--steps", "1", "--json", "--memory-budget",
+            f"{(on + off) // 2}B")
+    forced_off, forced_on = cli.many((*args, "--recompute", "off"), (*args, "--recompute", "on"))
+    assert_one_error_line(forced_off, 3, "recompute off:")
+    assert forced_on.rc == 0 and forced_on.json()["recompute"] is True, forced_on
+
+
+# --------------------------------------------------------------------------------------------------
+# 7. plan without weights
+
+
+def test_plan_big_model_from_config_alone(cli):
+    runs = cli.many(*[("plan", "--model", "qwen2.5-coder-1.5b", "--ctx", ctx, "--json") for ctx in (512, 34816)])
+    for ctx, r in zip((512, 34816), runs):
+        assert r.rc == 0, r
+        result = r.json()
+        assert {"model", "ctx", "batch", "path", "plans"} <= set(result), result
+        assert (result["model"], result["ctx"], result["batch"], result["path"]) == (
+            "qwen2.5-coder-1.5b", ctx, 1, "ubatch")
+        assert set(result["plans"]) == {"off", "on"}
+        off, on = result["plans"]["off"], result["plans"]["on"]
+        assert_plan(off)
+        assert_plan(on)
+        assert on["graph"] < off["graph"] and on["total"] < off["total"], result
+        assert on["params"] == off["params"] > 1.4e9 * 4  # fp32 parameters of a 1.5B model
+        assert on["optimizer"] == 2 * on["params"]
+        # Planned, not allocated: the process never came near the model's size.
+        assert r.maxrss < 2 * GiB, f"peak RSS {r.maxrss / GiB:.2f} GiB for ctx {ctx}"
+    short, long = (r.json()["plans"] for r in runs)
+    assert long["off"]["graph"] > short["off"]["graph"] and long["on"]["graph"] > short["on"]["graph"]
+    assert long["off"]["params"] == short["off"]["params"]
+
+
+def test_plan_human_table(cli, tiny_plans):
+    r = cli("plan", "--model", "tiny-llama", *TINY)
+    assert r.rc == 0 and "Traceback" not in r.err, r
+    lines = r.out.splitlines()
+    assert "recompute off" in lines[0] and "recompute on" in lines[0], r.out
+    rows = {line.split()[0]: line.split()[1:] for line in lines[1:] if line.split() and line.split()[0] in CATEGORIES}
+    assert set(rows) == set(CATEGORIES), r.out
+    for cat in ("graph", "total"):
+        assert rows[cat] == [f"{tiny_plans[k][cat] / MiB:,.1f}" for k in ("off", "on")], (cat, r.out)
+
+
+# --------------------------------------------------------------------------------------------------
+# 8. verify
+
+
+def test_verify(cli):
+    args = ("verify", "--model", "tiny-llama", "--ctx", "64")
+    as_json, human = cli.many((*args, "--json"), (*args, "--explain"))
+    assert as_json.rc == 0, as_json
+    result = as_json.json()
+    assert type(result["clones"]) is int and result["clones"] > 0, result
+    assert result["equal"] is True and result["first_difference"] is None, result
+
+    assert human.rc == 0 and "Traceback" not in human.err, human
+    assert f"all {result['clones']} clones equal" in human.out, human
+    assert "kept across the backward" in human.out and "prefix" in human.out, human
