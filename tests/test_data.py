@@ -112,7 +112,8 @@ BAD_LINES = [
     ('{"text": "a",}', r"line 2: not valid JSON \("),
     ("[1, 2]", r"line 2: expected a JSON object, got an array"),
     ('"text"', r"line 2: expected a JSON object, got a string"),
-    ('{"prompt": "q", "completion": "a"}', r'line 2: record needs "text" or "messages" \(keys found: "prompt"'),
+    ('{"instruction": "q", "output": "a"}',
+     r'line 2: record needs "text", "messages", or "prompt" and "completion" \(keys found: "instruction", "output"\)'),
     ('{"text": 5}', r'line 2: "text" must be a non-empty string, got 5'),
     ('{"text": ""}', r'line 2: "text" must be a non-empty string'),
     ('{"text": null}', r'line 2: "text" must be a non-empty string, got null'),
@@ -126,6 +127,42 @@ BAD_LINES = [
      r"line 2: message 2 content must be a string, got 3"),
     ('{"messages": [{"role": "system", "content": "s"}, {"role": "user", "content": "q"}]}',
      r"line 2: chat record has no assistant message, nothing to train on"),
+    # OpenAI's per-message weight
+    ('{"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a", "weight": 0.5}]}',
+     r"line 2: message 2 weight must be 0 or 1, got 0\.5"),
+    ('{"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a", "weight": 2}]}',
+     r"line 2: message 2 weight must be 0 or 1, got 2"),
+    ('{"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a", "weight": "0"}]}',
+     r"line 2: message 2 weight must be 0 or 1, got '0'"),
+    ('{"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a", "weight": true}]}',
+     r"line 2: message 2 weight must be 0 or 1, got True"),
+    ('{"messages": [{"role": "user", "content": "q", "weight": null}, {"role": "assistant", "content": "a"}]}',
+     r"line 2: message 1 weight must be 0 or 1, got null"),
+    ('{"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a", "weight": 0}]}',
+     r"line 2: every assistant message has weight 0, nothing to train on"),
+    # TRL's prompt-completion
+    ('{"prompt": "q"}', r'line 2: record has "prompt" but no "completion"'),
+    ('{"completion": "a"}', r'line 2: record has "completion" but no "prompt"'),
+    ('{"prompt": "", "completion": "a"}', r'line 2: "prompt" must be a non-empty string'),
+    ('{"prompt": "q", "completion": " \\n"}', r'line 2: "completion" must be a non-empty string'),
+    ('{"prompt": "q", "completion": 5}',
+     r"line 2: \"prompt\" and \"completion\" must both be non-empty strings or both lists of messages, got 'q' and 5"),
+    ('{"prompt": [{"role": "user", "content": "q"}], "completion": "a"}',
+     r"line 2: .*must both be non-empty strings or both lists of messages, got an array and 'a'"),
+    ('{"prompt": null, "completion": null}', r"line 2: .*must both be .*, got null and null"),
+    ('{"prompt": [], "completion": [{"role": "assistant", "content": "a"}]}',
+     r'line 2: "prompt" must be a non-empty list, got an array \(empty\)'),
+    ('{"prompt": [{"role": "bot", "content": "q"}], "completion": [{"role": "assistant", "content": "a"}]}',
+     r"line 2: prompt message 1 role must be one of system, user, assistant, got 'bot'"),
+    ('{"prompt": [{"role": "user", "content": "q"}], "completion": [{"role": "assistant"}]}',
+     r"line 2: completion message 1 content must be a string, got null"),
+    ('{"prompt": [{"role": "user", "content": "q"}], "completion": [{"role": "user", "content": "a"}]}',
+     r'line 2: "completion" has no assistant message, nothing to train on'),
+    ('{"prompt": [{"role": "user", "content": "q"}], "completion": [{"role": "assistant", "content": "a", '
+     '"weight": 0}]}', r"line 2: every assistant message has weight 0, nothing to train on"),
+    ('{"text": "a", "prompt": "q", "completion": "a"}', r'line 2: record has both "text" and "prompt"; use one'),
+    ('{"messages": [], "prompt": "q", "completion": "a"}', r'line 2: record has both "messages" and "prompt"'),
+    ('{"text": "a", "completion": "a"}', r'line 2: record has both "text" and "completion"'),
 ]
 
 
@@ -190,6 +227,30 @@ def test_parse_records_in_memory():
         parse_records([])
     with pytest.raises(DataError, match=r"^data: expected a list of records, got dict"):
         parse_records({"text": "a"})
+
+
+def test_weight_and_prompt_completion_keys_kept(tmp_path):
+    weighted = {"messages": [
+        {"role": "user", "content": "q", "weight": 0},  # valid but meaningless off assistant: dropped
+        {"role": "assistant", "content": "a", "weight": 0, "name": "x"},
+        {"role": "user", "content": "q2"},
+        {"role": "assistant", "content": "b", "weight": 1.0},
+    ], "id": 1}
+    prompt = {"prompt": "2+2=", "completion": " 4", "id": 2}
+    convo = {"prompt": [{"role": "user", "content": "q", "name": "u"}],
+             "completion": [{"role": "assistant", "content": "a", "weight": 1}], "meta": {}}
+    path = write_lines(tmp_path / "d.jsonl", [json.dumps(r) for r in (weighted, prompt, convo)])
+    expected = [
+        {"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a", "weight": 0},
+                      {"role": "user", "content": "q2"}, {"role": "assistant", "content": "b", "weight": 1}]},
+        {"prompt": "2+2=", "completion": " 4"},
+        {"prompt": [{"role": "user", "content": "q"}], "completion": [{"role": "assistant", "content": "a", "weight": 1}]},
+    ]
+    assert read_records(path) == expected
+    assert parse_records([weighted, prompt, convo]) == expected
+    with pytest.raises(DataError, match=r"^data record 2: message 2 weight must be 0 or 1, got -1"):
+        parse_records([weighted, {"messages": [{"role": "user", "content": "q"},
+                                               {"role": "assistant", "content": "a", "weight": -1}]}])
 
 
 # ---------------------------------------------------------------- tokenizing
@@ -270,6 +331,54 @@ def test_template_that_raises():
         tokenize([chat(("q", "a"))], tok)
 
 
+@pytest.mark.parametrize("which", ["chatml", "smollm2"])
+def test_weight_zero_assistant_turn_is_not_a_target(request, which):
+    tok = request.getfixturevalue(which)
+    record = chat(("Hi", "Bad answer."), ("Again?", "Good answer."), ("More?", "Also good."))
+    record["messages"][1]["weight"] = 0
+    record["messages"][5]["weight"] = 1
+    [example] = tokenize(parse_records([record]), tok)
+    # The template sees the conversation without weights: the rendered tokens are unchanged.
+    plain = [{"role": m["role"], "content": m["content"]} for m in record["messages"]]
+    assert tok.decode(example.ids) == tok.apply_chat_template(plain, tokenize=False)
+    assert targeted_spans(tok, example) == ["Good answer.<|im_end|>", "Also good.<|im_end|>"]
+
+
+@pytest.mark.parametrize("which", ["chatml", "smollm2"])
+def test_prompt_completion_strings_train_on_completion_and_eos(request, which):
+    tok = request.getfixturevalue(which)
+    [example] = tokenize(parse_records([{"prompt": "The capital of France is", "completion": " Paris."}]), tok)
+    prompt = tok("The capital of France is", add_special_tokens=False)["input_ids"]
+    completion = tok(" Paris.", add_special_tokens=False)["input_ids"]
+    assert example.ids == prompt + completion + [tok.eos_token_id]
+    assert example.loss_mask == [False] * len(prompt) + [True] * (len(completion) + 1)
+    assert targeted_spans(tok, example) == [" Paris." + tok.eos_token]
+
+
+@pytest.mark.parametrize("which", ["chatml", "smollm2"])
+def test_prompt_completion_conversational(request, which):
+    tok = request.getfixturevalue(which)
+    record = {
+        "prompt": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"},
+                   {"role": "assistant", "content": "Hello (context only)."}, {"role": "user", "content": "Plan?"}],
+        "completion": [{"role": "assistant", "content": "remat plan"}, {"role": "user", "content": "And?"},
+                       {"role": "assistant", "content": "Skipped.", "weight": 0},
+                       {"role": "user", "content": "Last?"}, {"role": "assistant", "content": "remat walk"}],
+    }
+    [example] = tokenize(parse_records([record]), tok)
+    everything = [{"role": m["role"], "content": m["content"]} for m in record["prompt"] + record["completion"]]
+    assert tok.decode(example.ids) == tok.apply_chat_template(everything, tokenize=False)
+    assert targeted_spans(tok, example) == ["remat plan<|im_end|>", "remat walk<|im_end|>"]
+
+
+def test_prompt_completion_conversational_needs_template():
+    record = {"prompt": [{"role": "user", "content": "q"}], "completion": [{"role": "assistant", "content": "a"}]}
+    with pytest.raises(DataError, match=r"^record 1: chat records need a chat template"):
+        tokenize([record], chatml_tokenizer(None))
+    # The string form needs none.
+    assert tokenize([{"prompt": "q", "completion": "a"}], chatml_tokenizer(None))[0].loss_mask == [False, True, True]
+
+
 # ---------------------------------------------------------------- windows and batches
 
 
@@ -324,6 +433,80 @@ def test_no_windows():
     for examples in ([], [stream_example(1)], [stream_example(9, targets={0})]):
         w = make_windows(examples, ctx=4, pad_id=0)
         assert w.input_ids.shape == w.labels.shape == (0, 4)
+
+
+def test_windows_pack_and_no_pack():
+    # A has 5 tokens, B 3; ctx 4.
+    examples = [stream_example(5), stream_example(3, start=200)]
+    packed = make_windows(examples, ctx=4, pad_id=0)
+    assert packed.input_ids.tolist() == [[100, 101, 102, 103], [104, 200, 201, 202]]
+    assert packed.labels.tolist() == [[101, 102, 103, 104], [200, 201, 202, -100]]
+    assert torch.equal(make_windows(examples, ctx=4, pad_id=0, pack=True).input_ids, packed.input_ids)
+    # Unpacked: each document starts a window; B's tail is padded and the padding is not a target.
+    single = make_windows(examples, ctx=4, pad_id=0, pack=False)
+    assert single.input_ids.tolist() == [[100, 101, 102, 103], [200, 201, 202, 0]]
+    assert single.labels.tolist() == [[101, 102, 103, 104], [201, 202, -100, -100]]
+
+
+def test_no_pack_long_document_spans_windows_without_mixing():
+    # A has 10 tokens: with ctx 4 it fills windows 0-4 and 4-8 and a padded 8-9; B (3 tokens) gets its own.
+    examples = [stream_example(10), stream_example(3, start=200)]
+    w = make_windows(examples, ctx=4, pad_id=7, pack=False)
+    assert w.input_ids.tolist() == [[100, 101, 102, 103], [104, 105, 106, 107], [108, 109, 7, 7], [200, 201, 202, 7]]
+    assert w.labels.tolist() == [
+        [101, 102, 103, 104], [105, 106, 107, 108], [109, -100, -100, -100], [201, 202, -100, -100]
+    ]
+    # One token of overlap within a document, as when packed.
+    assert w.labels[0, -1] == w.input_ids[1, 0] and w.labels[1, -1] == w.input_ids[2, 0]
+    for row in w.input_ids.tolist():
+        assert len({t // 100 for t in row if t != 7}) == 1  # never two documents in one window
+
+
+def test_no_pack_drops_windows_without_targets():
+    # A: targets only in its second window; B has none; C is a single token (no input-target pair).
+    examples = [stream_example(9, targets={6}), stream_example(4, targets=set(), start=200), stream_example(1, start=300)]
+    w = make_windows(examples, ctx=4, pad_id=0, pack=False)
+    assert w.input_ids.tolist() == [[104, 105, 106, 107]]
+    assert w.labels.tolist() == [[-100, 106, -100, -100]]
+    assert make_windows([], ctx=4, pad_id=0, pack=False).input_ids.shape == (0, 4)
+    # The exact fit: ctx+1 tokens make one full window, no padding.
+    w = make_windows([stream_example(5)], ctx=4, pad_id=0, pack=False)
+    assert w.input_ids.tolist() == [[100, 101, 102, 103]] and w.labels.tolist() == [[101, 102, 103, 104]]
+
+
+def show(tok, row) -> list:
+    """Tokens of a window row as strings; None for -100."""
+    return [None if t == -100 else tok.convert_ids_to_tokens(t) for t in row]
+
+
+def test_load_windows_pack_and_no_pack_on_tokenizer(tmp_path, chatml):
+    path = write_lines(tmp_path / "d.jsonl", [json.dumps({"text": "ab"}), json.dumps({"text": "cde"})])
+    E = "<|endoftext|>"  # eos, and pad too: padding must still not be a target
+    packed = load_windows(path, chatml, ctx=4, batch=1)
+    assert [show(chatml, r) for r in packed.input_ids.tolist()] == [["a", "b", E, "c"], ["d", "e", E, E]]
+    assert [show(chatml, r) for r in packed.labels.tolist()] == [["b", E, "c", "d"], ["e", E, None, None]]
+    single = load_windows(path, chatml, ctx=4, batch=1, pack=False)
+    assert [show(chatml, r) for r in single.input_ids.tolist()] == [["a", "b", E, E], ["c", "d", "e", E]]
+    assert [show(chatml, r) for r in single.labels.tolist()] == [["b", E, None, None], ["d", "e", E, None]]
+
+
+def test_load_windows_prompt_completion_targets(tmp_path, chatml):
+    records = [{"prompt": "Q: remat? A:", "completion": " recompute"},
+               {"prompt": [{"role": "user", "content": "Plan?"}],
+                "completion": [{"role": "assistant", "content": "remat plan"}]}]
+    path = write_lines(tmp_path / "pc.jsonl", [json.dumps(r) for r in records])
+    for pack in (True, False):
+        w = load_windows(path, chatml, ctx=8, batch=1, pack=pack)
+        targets = [t for t in w.labels.flatten().tolist() if t != -100]
+        assert chatml.decode(targets) == " recompute<|endoftext|>remat plan<|im_end|>"
+
+
+def test_load_windows_no_pack_too_few_windows(chatml):
+    # Unpacked, two short documents give two windows; a smaller ctx would not add any.
+    with pytest.raises(DataError) as info:
+        load_windows([{"text": "a" * 20}, {"text": "b" * 20}], chatml, ctx=32, batch=4, pack=False)
+    message = str(info.value)
+    assert "2 window(s) of 32 tokens" in message and "lower batch to 2" in message and "ctx to about" not in message
 
 
 def test_batches_deterministic_full_and_distinct():

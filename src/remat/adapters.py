@@ -251,6 +251,8 @@ def write_gguf_adapter(model: peft.PeftModel, path: Path, *, base_gguf: Path | N
     stores dims reversed), float32, in the base GGUF's row order. With `base_gguf`, every tensor is
     checked against the base the way llama.cpp's loader does.
     """
+    if not isinstance(model, peft.PeftModel):
+        raise AdapterError("the model has no adapter to export (it is not a PEFT model)")
     path = Path(path)
     config = model.get_base_model().config
     arch = _gguf_arch(config)

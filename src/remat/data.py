@@ -1,7 +1,9 @@
 """Training data: read records, tokenize them with loss masks, cut the token stream into windows.
 
-Records are ``{"text": str}`` (every token is trained on) or ``{"messages": [{role, content}, ...]}``
-(rendered with the model's chat template; only assistant tokens are trained on).
+Records are ``{"text": str}`` (every token is trained on), ``{"messages": [{role, content, weight?}, ...]}``
+(rendered with the model's chat template; only assistant messages are trained on, and not those with
+``"weight": 0``, OpenAI's convention) or ``{"prompt": ..., "completion": ...}`` (TRL's form: both strings, or
+both message lists rendered with the chat template; only the completion is trained on).
 """
 
 from __future__ import annotations
@@ -114,34 +116,82 @@ def _check_record(obj: object, where: str) -> dict:
     """Return the record reduced to the keys we use, or raise DataError naming `where`."""
     if not isinstance(obj, dict):
         raise DataError(f"{where}: expected a JSON object, got {_json_type(obj)}")
-    has_text, has_messages = "text" in obj, "messages" in obj
-    if has_text and has_messages:
-        raise DataError(f'{where}: record has both "text" and "messages"; use one')
-    if has_text:
+    forms = [k for k in ("text", "messages", "prompt") if k in obj]
+    if "completion" in obj and "prompt" not in obj:
+        forms.append("completion")
+    if len(forms) > 1:
+        both = " and ".join(f'"{k}"' for k in forms)
+        raise DataError(f"{where}: record has both {both}; use one")
+    if not forms:
+        keys = ", ".join(f'"{k}"' for k in list(obj)[:5]) or "none"
+        raise DataError(f'{where}: record needs "text", "messages", or "prompt" and "completion" (keys found: {keys})')
+    if "text" in obj:
         text = obj["text"]
         if not isinstance(text, str) or not text.strip():
             raise DataError(f'{where}: "text" must be a non-empty string, got {_show(text)}')
         return {"text": text}
-    if not has_messages:
-        keys = ", ".join(f'"{k}"' for k in list(obj)[:5]) or "none"
-        raise DataError(f'{where}: record needs "text" or "messages" (keys found: {keys})')
+    if "messages" in obj:
+        messages = _check_messages(obj["messages"], "messages", where)
+        if not any(m["role"] == "assistant" for m in messages):
+            raise DataError(f"{where}: chat record has no assistant message, nothing to train on")
+        _check_trainable(messages, where)
+        return {"messages": messages}
+    return _check_prompt_completion(obj, where)
 
-    messages = obj["messages"]
+
+def _check_prompt_completion(obj: dict, where: str) -> dict:
+    # TRL's prompt-completion form: both strings, or both message lists (conversational).
+    for key in ("prompt", "completion"):
+        if key not in obj:
+            raise DataError(f'{where}: record has "{"completion" if key == "prompt" else "prompt"}" but no "{key}"')
+    prompt, completion = obj["prompt"], obj["completion"]
+    if isinstance(prompt, str) and isinstance(completion, str):
+        for key, value in (("prompt", prompt), ("completion", completion)):
+            if not value.strip():
+                raise DataError(f'{where}: "{key}" must be a non-empty string, got {_show(value)}')
+        return {"prompt": prompt, "completion": completion}
+    if isinstance(prompt, list) and isinstance(completion, list):
+        prompt = _check_messages(prompt, "prompt", where)
+        completion = _check_messages(completion, "completion", where)
+        if not any(m["role"] == "assistant" for m in completion):
+            raise DataError(f'{where}: "completion" has no assistant message, nothing to train on')
+        _check_trainable(completion, where)
+        return {"prompt": prompt, "completion": completion}
+    raise DataError(
+        f'{where}: "prompt" and "completion" must both be non-empty strings or both lists of messages, '
+        f"got {_show(prompt)} and {_show(completion)}"
+    )
+
+
+def _check_messages(messages: object, key: str, where: str) -> list[dict]:
+    """Validated messages reduced to role, content and (on assistant messages) weight."""
     if not isinstance(messages, list) or not messages:
-        raise DataError(f'{where}: "messages" must be a non-empty list, got {_show(messages)}')
+        raise DataError(f'{where}: "{key}" must be a non-empty list, got {_show(messages)}')
+    label = "message" if key == "messages" else f"{key} message"
     clean = []
     for i, m in enumerate(messages, 1):
         if not isinstance(m, dict):
-            raise DataError(f"{where}: message {i} must be an object with role and content, got {_json_type(m)}")
+            raise DataError(f"{where}: {label} {i} must be an object with role and content, got {_json_type(m)}")
         role, content = m.get("role"), m.get("content")
         if role not in ROLES:
-            raise DataError(f"{where}: message {i} role must be one of {', '.join(ROLES)}, got {_show(role)}")
+            raise DataError(f"{where}: {label} {i} role must be one of {', '.join(ROLES)}, got {_show(role)}")
         if not isinstance(content, str):
-            raise DataError(f"{where}: message {i} content must be a string, got {_show(content)}")
-        clean.append({"role": role, "content": content})
-    if not any(m["role"] == "assistant" for m in clean):
-        raise DataError(f"{where}: chat record has no assistant message, nothing to train on")
-    return {"messages": clean}
+            raise DataError(f"{where}: {label} {i} content must be a string, got {_show(content)}")
+        message = {"role": role, "content": content}
+        if "weight" in m:
+            weight = m["weight"]
+            # OpenAI's convention: 0 leaves the message out of the loss, 1 trains it; nothing in between.
+            if isinstance(weight, bool) or not isinstance(weight, (int, float)) or weight not in (0, 1):
+                raise DataError(f"{where}: {label} {i} weight must be 0 or 1, got {_show(weight)}")
+            if role == "assistant":  # only assistant messages are ever trained on
+                message["weight"] = int(weight)
+        clean.append(message)
+    return clean
+
+
+def _check_trainable(messages: list[dict], where: str) -> None:
+    if all(m.get("weight", 1) == 0 for m in messages if m["role"] == "assistant"):
+        raise DataError(f"{where}: every assistant message has weight 0, nothing to train on")
 
 
 def _json_type(obj: object) -> str:
@@ -162,18 +212,32 @@ def _show(value: object) -> str:
 
 
 def tokenize(records: list[dict], tokenizer) -> list[Example]:
-    """Token ids and loss masks: every token of a text record; only assistant turns of a chat record."""
+    """Token ids and loss masks: every token of a text record; only assistant turns of a chat record;
+    only the completion (and EOS) of a prompt-completion record."""
     examples = []
     for i, record in enumerate(records, 1):
+        where = f"record {i}"
         if "messages" in record:
-            examples.append(_tokenize_chat(record["messages"], tokenizer, f"record {i}"))
+            examples.append(_tokenize_chat(record["messages"], tokenizer, where))
+        elif "prompt" in record and isinstance(record["prompt"], list):
+            # Conversational prompt-completion: the prompt's turns are context, even its assistant turns.
+            prompt = [{**m, "weight": 0} if m["role"] == "assistant" else m for m in record["prompt"]]
+            examples.append(_tokenize_chat(prompt + record["completion"], tokenizer, where))
+        elif "prompt" in record:
+            # Encoded apart so the prompt/completion boundary is exact whatever the tokenizer merges.
+            prompt = _encode(tokenizer, record["prompt"])
+            completion = _encode(tokenizer, record["completion"]) + [_eos(tokenizer)]
+            examples.append(Example(ids=prompt + completion, loss_mask=[False] * len(prompt) + [True] * len(completion)))
         else:
-            eos = tokenizer.eos_token_id
-            if eos is None:
-                raise DataError("the tokenizer has no end-of-sequence token to close text records with")
-            ids = list(_encode(tokenizer, record["text"])) + [eos]
+            ids = _encode(tokenizer, record["text"]) + [_eos(tokenizer)]
             examples.append(Example(ids=ids, loss_mask=[True] * len(ids)))
     return examples
+
+
+def _eos(tokenizer) -> int:
+    if tokenizer.eos_token_id is None:
+        raise DataError("the tokenizer has no end-of-sequence token to close text records with")
+    return tokenizer.eos_token_id
 
 
 def _encode(tokenizer, text: str) -> list[int]:
@@ -183,6 +247,7 @@ def _encode(tokenizer, text: str) -> list[int]:
 def _render(tokenizer, messages: list[dict], generation_prompt: bool, where: str) -> list[int]:
     import jinja2  # transformers renders chat templates with it
 
+    messages = [{"role": m["role"], "content": m["content"]} for m in messages]  # the template sees no weight
     try:
         text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)
     except (jinja2.TemplateError, ValueError, TypeError, LookupError) as e:  # no template, or it raised
@@ -201,7 +266,7 @@ def _tokenize_chat(messages: list[dict], tokenizer, where: str) -> Example:
     mask = [False] * len(ids)
     special = {i for i, t in tokenizer.added_tokens_decoder.items() if t.special}
     for k, m in enumerate(messages):
-        if m["role"] != "assistant":
+        if m["role"] != "assistant" or m.get("weight", 1) == 0:
             continue
         prompt = _render(tokenizer, messages[:k], True, where)
         upto = _render(tokenizer, messages[: k + 1], False, where)
@@ -225,24 +290,37 @@ def _tokenize_chat(messages: list[dict], tokenizer, where: str) -> Example:
 # ---------------------------------------------------------------- windows and batches
 
 
-def make_windows(examples: list[Example], ctx: int, pad_id: int) -> Windows:
-    """Cut the concatenated examples into windows of ctx inputs; window k covers stream[k*ctx : k*ctx+ctx+1]."""
+def make_windows(examples: list[Example], ctx: int, pad_id: int, *, pack: bool = True) -> Windows:
+    """Windows of ctx inputs with their shifted labels (-100 where not trained on).
+
+    pack=True concatenates the examples (each already ends with EOS or its end-of-turn token) and cuts the
+    stream so window k covers stream[k*ctx : k*ctx+ctx+1]. pack=False cuts each example the same way on its
+    own, so a window never holds two documents; the tail is padded. Windows without targets are dropped.
+    """
     if ctx < 1:
         raise ValueError(f"ctx must be at least 1, got {ctx}")
-    ids = [t for e in examples for t in e.ids]
-    mask = [m for e in examples for m in e.loss_mask]
+    if pack:
+        docs = [([t for e in examples for t in e.ids], [m for e in examples for m in e.loss_mask])]
+    else:
+        docs = [(e.ids, e.loss_mask) for e in examples]
+    cut = [_cut(ids, mask, ctx, pad_id) for ids, mask in docs]
+    window = torch.cat([w for w, _ in cut]) if cut else torch.zeros(0, ctx + 1, dtype=torch.int64)
+    window_target = torch.cat([t for _, t in cut]) if cut else torch.zeros(0, ctx + 1, dtype=torch.bool)
+    labels = torch.where(window_target[:, 1:], window[:, 1:], torch.full_like(window[:, 1:], IGNORE))
+    keep = window_target[:, 1:].any(dim=1)
+    return Windows(input_ids=window[:, :-1][keep].contiguous(), labels=labels[keep].contiguous())
+
+
+def _cut(ids: list[int], mask: list[bool], ctx: int, pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """[n, ctx+1] token and target windows over one stream; consecutive windows share one token."""
     n = max(0, -(-(len(ids) - 1) // ctx))  # windows that hold at least one (input, target) pair
     total = n * ctx + 1
     stream = torch.full((total,), pad_id, dtype=torch.int64)
     target = torch.zeros(total, dtype=torch.bool)
     stream[: len(ids)] = torch.tensor(ids, dtype=torch.int64)
     target[: len(mask)] = torch.tensor(mask, dtype=torch.bool)  # padding is never a target
-
     index = torch.arange(n).unsqueeze(1) * ctx + torch.arange(ctx + 1)
-    window, window_target = stream[index], target[index]
-    labels = torch.where(window_target[:, 1:], window[:, 1:], torch.full_like(window[:, 1:], IGNORE))
-    keep = window_target[:, 1:].any(dim=1)
-    return Windows(input_ids=window[:, :-1][keep].contiguous(), labels=labels[keep].contiguous())
+    return stream[index], target[index]
 
 
 def batches(windows: Windows, batch: int, *, seed: int, epoch: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -258,15 +336,20 @@ def batches(windows: Windows, batch: int, *, seed: int, epoch: int) -> list[tupl
     ]
 
 
-def load_windows(path: str | os.PathLike | list, tokenizer, ctx: int, batch: int) -> Windows:
-    """Read, tokenize and window a data file (or a list of in-memory records); refuse data too small to train."""
+def load_windows(
+    path: str | os.PathLike | list, tokenizer, ctx: int, batch: int, *, pack: bool = True
+) -> Windows:
+    """Read, tokenize and window a data file (or a list of in-memory records); refuse data too small to train.
+
+    pack: concatenate the documents into full windows (True), or give each document windows of its own.
+    """
     if isinstance(path, list):
         records, name = parse_records(path), "data"
     else:
         records, name = read_records(path), str(path)
     examples = tokenize(records, tokenizer)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    windows = make_windows(examples, ctx, pad_id if pad_id is not None else 0)
+    windows = make_windows(examples, ctx, pad_id if pad_id is not None else 0, pack=pack)
     if len(windows) == 0:
         raise DataError(
             f"{name}: no trainable tokens (text too short, or chat records whose assistant turns are empty)"
@@ -274,7 +357,7 @@ def load_windows(path: str | os.PathLike | list, tokenizer, ctx: int, batch: int
     if len(windows) < batch:
         tokens = sum(len(e.ids) for e in examples)
         hint = f"lower batch to {len(windows)}"
-        if (tokens - 1) // batch >= 1:
+        if pack and (tokens - 1) // batch >= 1:  # unpacked, a smaller ctx only splits long documents
             hint += f" or ctx to about {(tokens - 1) // batch}"
         raise DataError(
             f"{name}: gives {len(windows)} window(s) of {ctx} tokens ({tokens} tokens), fewer than batch "
