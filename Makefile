@@ -19,7 +19,8 @@ $(BIN)/remat: pyproject.toml
 setup: $(BIN)/remat
 
 demo: setup
-	$(BIN)/remat finetune
+	rm -rf out/demo
+	$(BIN)/remat finetune --out out/demo
 
 test: setup
 	$(BIN)/ruff check src tests

@@ -29,7 +29,7 @@ CATEGORIES = ("params", "frozen", "grads", "optimizer", "graph", "cache", "total
 TINY = ("--ctx", "64", "--batch", "2")  # the tiny presets' shape everywhere below
 SMOL_TESTS = ("test_smollm2_recompute_on_off_identical", "test_smollm2_loss_goes_down_on_one_batch")
 SMOL = ("finetune", "--ctx", "32", "--steps", "4", "--json", "--lr", "1e-4")  # default model and data
-TIMEOUT_S = 300
+TIMEOUT_S = 600  # a hang guard only: a loaded machine makes the SmolLM2 runs minutes long
 
 
 # --------------------------------------------------------------------------------------------------
@@ -60,7 +60,8 @@ def _run(argv: list[str], env: dict[str, str], cwd: Path) -> Run:
         start = time.perf_counter()
         p = subprocess.Popen([sys.executable, "-m", "remat.cli", *argv], stdin=subprocess.DEVNULL,
                              stdout=out, stderr=err, env=env, cwd=cwd)
-        timer = threading.Timer(TIMEOUT_S, p.kill)
+        killed = threading.Event()
+        timer = threading.Timer(TIMEOUT_S, lambda: (killed.set(), p.kill()))
         timer.start()
         try:
             _, status, usage = os.wait4(p.pid, 0)
@@ -71,7 +72,7 @@ def _run(argv: list[str], env: dict[str, str], cwd: Path) -> Run:
     run = Run(argv, p.returncode, out_path.read_text(), err_path.read_text(), seconds, usage.ru_maxrss * 1024)
     out_path.unlink()
     err_path.unlink()
-    if seconds >= TIMEOUT_S:
+    if killed.is_set():
         pytest.fail(f"timed out after {TIMEOUT_S} s: {run!r}")
     return run
 
@@ -109,7 +110,6 @@ def cli(tmp_path_factory) -> Cli:
     env = {k: v for k, v in os.environ.items() if k != "REMAT_DEBUG"}  # errors must not need it
     env["REMAT_CACHE_DIR"] = str(tmp_path_factory.mktemp("remat-cache"))
     env["OMP_NUM_THREADS"] = "1"  # see conftest._one_thread: two threads on a busy 2-core box crawl
-    env["PYTHONWARNINGS"] = "ignore"
     c = Cli(env, tmp_path_factory.mktemp("cwd"))
     yield c
     c.pool.shutdown(wait=True)
@@ -152,55 +152,42 @@ def finite_losses(r: Run, n: int) -> list[float]:
 # 1. bad input: exit 2, one line, no traceback, nothing written
 
 
-def _write_cases(d: Path) -> dict[str, tuple[list, tuple[str, ...]]]:
-    """name -> (argv, words the error line must contain)."""
+# name -> (finetune args, words the error line must name); {d} is a folder holding the files below.
+BAD_CASES = {
+    "missing data": (["--data", "{d}/missing.txt"], ("missing.txt", "no such file")),
+    "data is a directory": (["--data", "{d}/a_dir"], ("a_dir", "directory")),
+    "unknown preset": (["--model", "nope"], ("'nope'", "unknown model")),
+    "malformed jsonl": (["--data", "{d}/bad.jsonl"], ("bad.jsonl line 2", "not valid JSON")),
+    "no assistant turn": (["--data", "{d}/no_assistant.jsonl"], ("no_assistant.jsonl line 1", "no assistant")),
+    "empty data file": (["--data", "{d}/empty.txt"], ("empty.txt", "empty")),
+    "ctx above maximum": (["--ctx", "4096"], ("--ctx 4096", "maximum context 2048")),
+}
+
+
+@pytest.fixture(scope="module")
+def bad_runs(cli, tmp_path_factory) -> dict[str, tuple[Run, Path]]:
+    """All bad-input runs at once, each with its own --out folder (which must never appear)."""
+    d = tmp_path_factory.mktemp("bad")
     (d / "a_dir").mkdir()
     (d / "bad.jsonl").write_text('{"text": "fine"}\n{"text": "oops\n{"text": "fine"}\n')
     (d / "no_assistant.jsonl").write_text(json.dumps({"messages": [{"role": "user", "content": "hi"}]}) + "\n")
     (d / "empty.txt").write_text("")
-    tiny = ["--model", "tiny-llama", *TINY, "--steps", "1"]
-    return {
-        "missing data": (["finetune", *tiny, "--data", d / "missing.txt"], ("missing.txt", "no such file")),
-        "data is a directory": (["finetune", *tiny, "--data", d / "a_dir"], ("a_dir", "directory")),
-        "unknown preset": (["finetune", "--model", "nope"], ("'nope'", "unknown model")),
-        "malformed jsonl": (["finetune", *tiny, "--data", d / "bad.jsonl"], ("bad.jsonl line 2", "not valid JSON")),
-        "no assistant turn": (["finetune", *tiny, "--data", d / "no_assistant.jsonl"],
-                              ("no_assistant.jsonl line 1", "no assistant")),
-        "empty text file": (["finetune", *tiny, "--data", d / "empty.txt"], ("empty.txt", "empty")),
-        "ctx above maximum": (["finetune", "--model", "tiny-llama", "--ctx", "4096", "--steps", "1"],
-                              ("--ctx 4096", "maximum context 2048")),
-    }
-
-
-BAD_CASES = ("missing data", "data is a directory", "unknown preset", "malformed jsonl", "no assistant turn",
-             "empty text file", "ctx above maximum")
-
-
-@pytest.fixture(scope="module")
-def bad_runs(cli, tmp_path_factory) -> dict[str, tuple[Run, Path, tuple[str, ...]]]:
-    """All bad-input runs at once; each finetune run has its own --out folder that must not appear."""
-    d = tmp_path_factory.mktemp("bad")
-    cases = _write_cases(d)
-    assert set(cases) == set(BAD_CASES)
-    argvs, outs = [], []
-    for name, (argv, _) in cases.items():
-        out = d / ("out-" + name.replace(" ", "-"))
-        outs.append(out)
-        argvs.append([*argv, "--out", out])
-    runs = cli.many(*argvs)
-    return {name: (r, out, cases[name][1]) for name, r, out in zip(cases, runs, outs)}
+    outs = {name: d / ("out-" + name.replace(" ", "-")) for name in BAD_CASES}
+    futures = {name: cli.start("finetune", "--model", "tiny-llama", *TINY, "--steps", "1",
+                               *(a.format(d=d) for a in args), "--out", outs[name])
+               for name, (args, _) in BAD_CASES.items()}
+    return {name: (f.result(), outs[name]) for name, f in futures.items()}
 
 
 @pytest.mark.parametrize("name", BAD_CASES)
 def test_bad_input_exits_2_with_one_line(bad_runs, name):
-    r, out, needles = bad_runs[name]
-    assert_one_error_line(r, 2, *needles)
+    r, out = bad_runs[name]
+    assert_one_error_line(r, 2, *BAD_CASES[name][1])
     assert not out.exists(), f"--out {out} was created by a run that failed: {r!r}"
 
 
 @pytest.mark.parametrize("option,value", [("--ctx", "0"), ("--batch", "-1"), ("--epochs", "0"), ("--lr", "0"),
-                                          ("--steps", "0"), ("--lr", "-1e-4"), ("--ctx", "x"),
-                                          ("--memory-budget", "0")])
+                                          ("--steps", "0"), ("--memory-budget", "0")])
 def test_non_positive_numbers_are_usage_errors(cli, tmp_path, option, value):
     out = tmp_path / "out"
     r = cli("finetune", "--model", "tiny-llama", option, value, "--out", out)
@@ -210,35 +197,17 @@ def test_non_positive_numbers_are_usage_errors(cli, tmp_path, option, value):
     assert not out.exists()
 
 
-@pytest.fixture(scope="module")
-def nonempty_out(cli, tmp_path_factory) -> tuple[Run, Path, dict]:
-    parent = tmp_path_factory.mktemp("nonempty")
-    out = parent / "out"
+def test_out_nonempty_folder_is_refused_up_front_and_untouched(cli, tmp_path):
+    out = tmp_path / "out"
     out.mkdir()
     (out / "notes.txt").write_text("mine\n")
     (out / "sub").mkdir()
     (out / "sub" / "w.bin").write_bytes(b"\x00\x01")
-    before = {p.relative_to(parent): (p.read_bytes() if p.is_file() else None) for p in parent.rglob("*")}
+    before = {p.relative_to(tmp_path): (p.read_bytes() if p.is_file() else None) for p in tmp_path.rglob("*")}
     r = cli("finetune", "--model", "tiny-llama", *TINY, "--steps", "2", "--out", out)
-    return r, parent, before
-
-
-def test_out_nonempty_folder_is_refused_and_untouched(nonempty_out):
-    r, parent, before = nonempty_out
-    assert r.rc == 2, r
-    assert "Traceback" not in r.err and r.out == "", r
-    last = r.err.splitlines()[-1]
-    assert last.startswith("remat: error:") and str(parent / "out") in last and "not an empty folder" in last, r
-    after = {p.relative_to(parent): (p.read_bytes() if p.is_file() else None) for p in parent.rglob("*")}
-    assert after == before  # nothing added next to it (no leftover temp folder), nothing changed inside
-
-
-@pytest.mark.xfail(strict=True, reason="library bug: --out is checked only in save_model, after training "
-                   "(train.py finetune -> save_model), so a non-empty --out trains every step, prints the "
-                   "progress bar, then refuses; it should be refused up front like other bad input")
-def test_out_nonempty_folder_is_refused_before_training(nonempty_out):
-    r, parent, _ = nonempty_out
-    assert_one_error_line(r, 2, str(parent / "out"))
+    assert_one_error_line(r, 2, str(out), "not an empty folder")  # one line: refused before training
+    after = {p.relative_to(tmp_path): (p.read_bytes() if p.is_file() else None) for p in tmp_path.rglob("*")}
+    assert after == before  # nothing changed inside, nothing (no temp folder) added next to it
 
 
 # --------------------------------------------------------------------------------------------------
@@ -247,7 +216,7 @@ def test_out_nonempty_folder_is_refused_before_training(nonempty_out):
 
 def test_finetune_json_receipt_and_saved_model(cli, tmp_path):
     out = tmp_path / "trained"
-    r = cli("finetune", "--model", "tiny-llama", "--json", "--steps", "3", *TINY, "--out", out)
+    r = cli("finetune", "--model", "tiny-llama", "--full", "--json", "--steps", "3", *TINY, "--out", out)
     assert r.rc == 0, r
     receipt = r.json()  # the whole of stdout is one JSON object
     assert isinstance(receipt, dict) and r.out.count("\n") == 1 and r.out.endswith("}\n"), r
@@ -263,7 +232,7 @@ def test_finetune_json_receipt_and_saved_model(cli, tmp_path):
     s = receipt["settings"]
     assert (s["model"], s["ctx"], s["batch"], s["steps"], s["epochs"], s["seed"], s["recompute"], s["out"]) == (
         "tiny-llama", 64, 2, 3, 1, 0, "auto", str(out))
-    assert s["lr"] == 1e-4 and type(s["memory_budget"]) is int and s["memory_budget"] > 0
+    assert s["lora"] is False and s["lr"] == 1e-4 and type(s["memory_budget"]) is int and s["memory_budget"] > 0
 
     files = sorted(str(p) for p in out.iterdir())
     assert receipt["outputs"] == files
@@ -340,7 +309,7 @@ def test_smollm2_loss_goes_down_on_one_batch(cli, smol_descent):
     assert r.rc == 0, r
     losses = finite_losses(r, 4)  # one step per epoch, the same batch every time
     assert all(b < a for a, b in itertools.pairwise(losses)), losses
-    assert losses[-1] < losses[0] / 2, losses
+    assert losses[-1] < losses[0] - 0.25, losses  # LoRA at lr 1e-4: ~0.12 a step
 
 
 # --------------------------------------------------------------------------------------------------
@@ -360,7 +329,6 @@ def test_gate_refuses_tiny_budget_before_training(cli, tmp_path):
     line = assert_one_error_line(r, 3, "recompute off:", "recompute on:", "1.0 MiB")  # no progress bar
     assert "MiB (graph" in line
     assert not out.exists()
-    assert r.seconds < 60, r
 
 
 def test_gate_auto_chooses_by_budget(cli, tiny_plans):
@@ -368,7 +336,8 @@ def test_gate_auto_chooses_by_budget(cli, tiny_plans):
     assert on < off
     # "between" is on's total exactly: a plan equal to the budget fits, one byte more does not.
     budgets = {"off + 1 MiB": off + MiB, "between": on, "below on": on - 1}
-    args = ("finetune", "--model", "tiny-llama", *TINY, "--steps", "1", "--json")
+    # --full: `remat plan` plans full fine-tuning (it has no LoRA option).
+    args = ("finetune", "--model", "tiny-llama", "--full", *TINY, "--steps", "2", "--json")
     *auto, forced_off = cli.many(*[(*args, "--memory-budget", f"{b}B") for b in budgets.values()],
                                  (*args, "--memory-budget", f"{off - 1}B", "--recompute", "off"))
     runs = dict(zip(budgets, auto))
@@ -380,6 +349,7 @@ def test_gate_auto_chooses_by_budget(cli, tiny_plans):
         assert receipt["recompute"] is expect, (name, receipt["recompute_reason"])
         assert receipt["settings"]["memory_budget"] == budgets[name]
         assert receipt["plans"] == tiny_plans  # the plan from the config alone is the plan of the real run
+    assert finite_losses(runs["between"], 2) == finite_losses(runs["off + 1 MiB"], 2)  # full: on == off too
     reason = runs["between"].json()["recompute_reason"]
     assert "budget" in reason and f"{budgets['between'] / MiB:,.1f} MiB" in reason, reason
     assert f"{off / MiB:,.1f} MiB" in reason, reason  # says why off did not do

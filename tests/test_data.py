@@ -108,12 +108,22 @@ def test_json_file_array_object_or_lines(tmp_path):
         read_records(array)
 
 
+USER = {"role": "user", "content": "q"}
+
+
+def weighted(weight, message: int = 1) -> str:
+    """A JSON line of a one-turn chat whose message `message` (0 user, 1 assistant) has the given weight."""
+    record = chat(("q", "a"))
+    record["messages"][message]["weight"] = weight
+    return json.dumps(record)
+
+
 BAD_LINES = [
     ('{"text": "a",}', r"line 2: not valid JSON \("),
     ("[1, 2]", r"line 2: expected a JSON object, got an array"),
     ('"text"', r"line 2: expected a JSON object, got a string"),
     ('{"instruction": "q", "output": "a"}',
-     r'line 2: record needs "text", "messages", or "prompt" and "completion" \(keys found: "instruction", "output"\)'),
+     r'line 2: record needs "text", "messages", or "prompt" and "completion" \(keys found: "instruction"'),
     ('{"text": 5}', r'line 2: "text" must be a non-empty string, got 5'),
     ('{"text": ""}', r'line 2: "text" must be a non-empty string'),
     ('{"text": null}', r'line 2: "text" must be a non-empty string, got null'),
@@ -128,25 +138,19 @@ BAD_LINES = [
     ('{"messages": [{"role": "system", "content": "s"}, {"role": "user", "content": "q"}]}',
      r"line 2: chat record has no assistant message, nothing to train on"),
     # OpenAI's per-message weight
-    ('{"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a", "weight": 0.5}]}',
-     r"line 2: message 2 weight must be 0 or 1, got 0\.5"),
-    ('{"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a", "weight": 2}]}',
-     r"line 2: message 2 weight must be 0 or 1, got 2"),
-    ('{"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a", "weight": "0"}]}',
-     r"line 2: message 2 weight must be 0 or 1, got '0'"),
-    ('{"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a", "weight": true}]}',
-     r"line 2: message 2 weight must be 0 or 1, got True"),
-    ('{"messages": [{"role": "user", "content": "q", "weight": null}, {"role": "assistant", "content": "a"}]}',
-     r"line 2: message 1 weight must be 0 or 1, got null"),
-    ('{"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a", "weight": 0}]}',
-     r"line 2: every assistant message has weight 0, nothing to train on"),
+    (weighted(0.5), r"line 2: message 2 weight must be 0 or 1, got 0\.5"),
+    (weighted(2), r"line 2: message 2 weight must be 0 or 1, got 2"),
+    (weighted("0"), r"line 2: message 2 weight must be 0 or 1, got '0'"),
+    (weighted(True), r"line 2: message 2 weight must be 0 or 1, got True"),
+    (weighted(None, message=0), r"line 2: message 1 weight must be 0 or 1, got null"),
+    (weighted(0), r"line 2: every assistant message has weight 0, nothing to train on"),
     # TRL's prompt-completion
     ('{"prompt": "q"}', r'line 2: record has "prompt" but no "completion"'),
     ('{"completion": "a"}', r'line 2: record has "completion" but no "prompt"'),
     ('{"prompt": "", "completion": "a"}', r'line 2: "prompt" must be a non-empty string'),
     ('{"prompt": "q", "completion": " \\n"}', r'line 2: "completion" must be a non-empty string'),
     ('{"prompt": "q", "completion": 5}',
-     r"line 2: \"prompt\" and \"completion\" must both be non-empty strings or both lists of messages, got 'q' and 5"),
+     r"line 2: \"prompt\" and \"completion\" must both be non-empty strings or both lists of messages, go"),
     ('{"prompt": [{"role": "user", "content": "q"}], "completion": "a"}',
      r"line 2: .*must both be non-empty strings or both lists of messages, got an array and 'a'"),
     ('{"prompt": null, "completion": null}', r"line 2: .*must both be .*, got null and null"),
@@ -158,10 +162,10 @@ BAD_LINES = [
      r"line 2: completion message 1 content must be a string, got null"),
     ('{"prompt": [{"role": "user", "content": "q"}], "completion": [{"role": "user", "content": "a"}]}',
      r'line 2: "completion" has no assistant message, nothing to train on'),
-    ('{"prompt": [{"role": "user", "content": "q"}], "completion": [{"role": "assistant", "content": "a", '
-     '"weight": 0}]}', r"line 2: every assistant message has weight 0, nothing to train on"),
-    ('{"text": "a", "prompt": "q", "completion": "a"}', r'line 2: record has both "text" and "prompt"; use one'),
-    ('{"messages": [], "prompt": "q", "completion": "a"}', r'line 2: record has both "messages" and "prompt"'),
+    (json.dumps({"prompt": [USER], "completion": [{"role": "assistant", "content": "a", "weight": 0}]}),
+     r"line 2: every assistant message has weight 0, nothing to train on"),
+    ('{"text": "a", "prompt": "q", "completion": "a"}', r'line 2: record has both "text" and "prompt"; use'),
+    ('{"messages": [], "prompt": "q", "completion": "a"}', r'line 2: record has both "messages" and "prom'),
     ('{"text": "a", "completion": "a"}', r'line 2: record has both "text" and "completion"'),
 ]
 
@@ -244,7 +248,8 @@ def test_weight_and_prompt_completion_keys_kept(tmp_path):
         {"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a", "weight": 0},
                       {"role": "user", "content": "q2"}, {"role": "assistant", "content": "b", "weight": 1}]},
         {"prompt": "2+2=", "completion": " 4"},
-        {"prompt": [{"role": "user", "content": "q"}], "completion": [{"role": "assistant", "content": "a", "weight": 1}]},
+        {"prompt": [{"role": "user", "content": "q"}],
+         "completion": [{"role": "assistant", "content": "a", "weight": 1}]},
     ]
     assert read_records(path) == expected
     assert parse_records([weighted, prompt, convo]) == expected
@@ -347,7 +352,8 @@ def test_weight_zero_assistant_turn_is_not_a_target(request, which):
 @pytest.mark.parametrize("which", ["chatml", "smollm2"])
 def test_prompt_completion_strings_train_on_completion_and_eos(request, which):
     tok = request.getfixturevalue(which)
-    [example] = tokenize(parse_records([{"prompt": "The capital of France is", "completion": " Paris."}]), tok)
+    record = {"prompt": "The capital of France is", "completion": " Paris."}
+    [example] = tokenize(parse_records([record]), tok)
     prompt = tok("The capital of France is", add_special_tokens=False)["input_ids"]
     completion = tok(" Paris.", add_special_tokens=False)["input_ids"]
     assert example.ids == prompt + completion + [tok.eos_token_id]
@@ -360,23 +366,26 @@ def test_prompt_completion_conversational(request, which):
     tok = request.getfixturevalue(which)
     record = {
         "prompt": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"},
-                   {"role": "assistant", "content": "Hello (context only)."}, {"role": "user", "content": "Plan?"}],
+                   {"role": "assistant", "content": "Hello (context only)."},
+                   {"role": "user", "content": "Plan?"}],
         "completion": [{"role": "assistant", "content": "remat plan"}, {"role": "user", "content": "And?"},
                        {"role": "assistant", "content": "Skipped.", "weight": 0},
                        {"role": "user", "content": "Last?"}, {"role": "assistant", "content": "remat walk"}],
     }
     [example] = tokenize(parse_records([record]), tok)
-    everything = [{"role": m["role"], "content": m["content"]} for m in record["prompt"] + record["completion"]]
+    everything = [{"role": m["role"], "content": m["content"]}
+                  for m in record["prompt"] + record["completion"]]
     assert tok.decode(example.ids) == tok.apply_chat_template(everything, tokenize=False)
     assert targeted_spans(tok, example) == ["remat plan<|im_end|>", "remat walk<|im_end|>"]
 
 
 def test_prompt_completion_conversational_needs_template():
-    record = {"prompt": [{"role": "user", "content": "q"}], "completion": [{"role": "assistant", "content": "a"}]}
+    record = {"prompt": [USER], "completion": [{"role": "assistant", "content": "a"}]}
     with pytest.raises(DataError, match=r"^record 1: chat records need a chat template"):
         tokenize([record], chatml_tokenizer(None))
     # The string form needs none.
-    assert tokenize([{"prompt": "q", "completion": "a"}], chatml_tokenizer(None))[0].loss_mask == [False, True, True]
+    [example] = tokenize([{"prompt": "q", "completion": "a"}], chatml_tokenizer(None))
+    assert example.loss_mask == [False, True, True]
 
 
 # ---------------------------------------------------------------- windows and batches
@@ -452,7 +461,9 @@ def test_no_pack_long_document_spans_windows_without_mixing():
     # A has 10 tokens: with ctx 4 it fills windows 0-4 and 4-8 and a padded 8-9; B (3 tokens) gets its own.
     examples = [stream_example(10), stream_example(3, start=200)]
     w = make_windows(examples, ctx=4, pad_id=7, pack=False)
-    assert w.input_ids.tolist() == [[100, 101, 102, 103], [104, 105, 106, 107], [108, 109, 7, 7], [200, 201, 202, 7]]
+    assert w.input_ids.tolist() == [
+        [100, 101, 102, 103], [104, 105, 106, 107], [108, 109, 7, 7], [200, 201, 202, 7]
+    ]
     assert w.labels.tolist() == [
         [101, 102, 103, 104], [105, 106, 107, 108], [109, -100, -100, -100], [201, 202, -100, -100]
     ]
@@ -464,7 +475,8 @@ def test_no_pack_long_document_spans_windows_without_mixing():
 
 def test_no_pack_drops_windows_without_targets():
     # A: targets only in its second window; B has none; C is a single token (no input-target pair).
-    examples = [stream_example(9, targets={6}), stream_example(4, targets=set(), start=200), stream_example(1, start=300)]
+    examples = [stream_example(9, targets={6}), stream_example(4, targets=set(), start=200)]
+    examples.append(stream_example(1, start=300))
     w = make_windows(examples, ctx=4, pad_id=0, pack=False)
     assert w.input_ids.tolist() == [[104, 105, 106, 107]]
     assert w.labels.tolist() == [[-100, 106, -100, -100]]
@@ -506,7 +518,8 @@ def test_load_windows_no_pack_too_few_windows(chatml):
     with pytest.raises(DataError) as info:
         load_windows([{"text": "a" * 20}, {"text": "b" * 20}], chatml, ctx=32, batch=4, pack=False)
     message = str(info.value)
-    assert "2 window(s) of 32 tokens" in message and "lower batch to 2" in message and "ctx to about" not in message
+    assert "2 window(s) of 32 tokens" in message and "lower batch to 2" in message
+    assert "ctx to about" not in message
 
 
 def test_batches_deterministic_full_and_distinct():

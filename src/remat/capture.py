@@ -148,19 +148,19 @@ def prepare(model: nn.Module) -> None:
         model._remat_prepared = True
 
 
-def capture(model: nn.Module, input_ids: torch.Tensor, labels: torch.Tensor, *, fake: bool = True,
+def capture(model: nn.Module, input_ids: torch.Tensor, labels: torch.Tensor, *,
             loss_chunk: int = 0) -> TrainGraph:
     """Trace the train step of `model` on a batch of this shape into a TrainGraph.
 
-    With `fake=True` nothing of the step is computed: tensors are FakeTensors, and each
-    node's `meta["val"]` carries shape, dtype and strides for the planner.
+    Nothing of the step is computed: tracing runs on FakeTensors, and each node's
+    `meta["val"]` carries shape, dtype, strides and storage for the planner.
     """
     return trace(model, functools.partial(causal_lm_loss, loss_chunk=loss_chunk),
                  {"input_ids": ("input", input_ids), "labels": ("input", labels)},
-                 fake=fake, info={"shape": tuple(input_ids.shape), "loss_chunk": loss_chunk})
+                 info={"shape": tuple(input_ids.shape), "loss_chunk": loss_chunk})
 
 
-def trace(model: nn.Module, loss_fn, inputs: dict[str, tuple[str, torch.Tensor]], *, fake: bool = True,
+def trace(model: nn.Module, loss_fn, inputs: dict[str, tuple[str, torch.Tensor]], *,
           info: dict | None = None) -> TrainGraph:
     """Trace `loss_fn(model, *inputs)` and the grads of the trainable parameters into a TrainGraph.
 
@@ -189,16 +189,12 @@ def trace(model: nn.Module, loss_fn, inputs: dict[str, tuple[str, torch.Tensor]]
     example = tensors.args(*(t for _, t in inputs.values()))
     if len({id(t) for t in example}) != len(example):
         raise ValueError("each input must be its own tensor (make_fx merges repeated inputs)")
-    with torch.enable_grad():
-        if fake:
-            # a model built under a fake mode (planning without weights) brings its own
-            mode = next((t.fake_mode for t in example if isinstance(t, FakeTensor)), None)
-            mode = mode or EagerStridesFakeMode(allow_non_fake_inputs=True)
-            example = [t if isinstance(t, FakeTensor) else mode.from_tensor(t) for t in example]
-            with mode:
-                gm = make_fx(step)(*example)
-        else:
-            gm = make_fx(step)(*example)
+    # a model built under a fake mode (planning without weights) brings its own
+    mode = next((t.fake_mode for t in example if isinstance(t, FakeTensor)), None)
+    mode = mode or EagerStridesFakeMode(allow_non_fake_inputs=True)
+    example = [t if isinstance(t, FakeTensor) else mode.from_tensor(t) for t in example]
+    with torch.enable_grad(), mode:
+        gm = make_fx(step)(*example)
     _trace_count += 1
     return TrainGraph(gm=gm, roles=roles, names=[*model_names, *inputs], boundary=boundary[0], info=info or {})
 
@@ -275,8 +271,7 @@ def interpret(gm: fx.GraphModule, args: list, *, on_node=None, on_free=None,
             return list(fx.node.map_arg(n.args[0], env.__getitem__))
         else:
             a, kw = fx.node.map_arg((n.args, n.kwargs), env.__getitem__)
-            target = getattr(gm, n.target) if n.op == "get_attr" else n.target
-            env[n] = target(*a, **kw)
+            env[n] = getattr(gm, n.target) if n.op == "get_attr" else n.target(*a, **kw)
         if on_node is not None:
             on_node(n, env[n], env)
         if not n.users and n not in keep:

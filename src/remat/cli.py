@@ -10,6 +10,7 @@ import argparse
 import json
 import os
 import sys
+import warnings
 
 from remat.train import DEFAULT_LOSS_CHUNK
 
@@ -73,12 +74,19 @@ def parser() -> argparse.ArgumentParser:
     f.add_argument("--epochs", type=positive_int, default=1)
     f.add_argument("--steps", type=positive_int, help="stop after this many optimizer steps")
     f.add_argument("--accumulate", type=positive_int, default=1, help="windows per optimizer step (default 1)")
-    f.add_argument("--lr", type=positive_float, default=1e-4)
+    f.add_argument("--lr", type=positive_float, help="learning rate (default 1e-3 with LoRA, 1e-4 with --full)")
     f.add_argument("--seed", type=int, default=0)
     f.add_argument("--recompute", choices=("on", "off", "auto"), default="auto",
                    help="recompute per-layer intermediates in backward (default auto: only when needed to fit)")
     f.add_argument("--memory-budget", type=memory_size, help="e.g. 2GiB (default: free memory of the device)")
-    f.add_argument("--out", help="folder to save the trained model (HF layout, safetensors)")
+    f.add_argument("--out", help="folder for the adapter (PEFT + adapter.gguf), or the model with --full")
+    f.add_argument("--full", action="store_true", help="full fine-tuning instead of a LoRA adapter")
+    f.add_argument("--lora-r", type=positive_int, default=8)
+    f.add_argument("--lora-alpha", type=positive_float, default=16.0)
+    f.add_argument("--lora-dropout", type=float, default=0.0)
+    f.add_argument("--lora-targets", help="comma-separated module names (default: every linear layer)")
+    f.add_argument("--save-every", type=positive_int, help="write a checkpoint every N steps into --out")
+    f.add_argument("--resume", help="continue from the latest checkpoint in this folder")
 
     pl = sub.add_parser("plan", help="memory plan from the config alone; allocates nothing")
     model_args(pl, 512)
@@ -97,6 +105,9 @@ def fail(code: int, message: str) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
+    warnings.filterwarnings("ignore", category=FutureWarning)  # library deprecation chatter, not for users
+    from remat.adapters import AdapterError
+    from remat.checkpoints import CheckpointError
     from remat.data import DataError
     from remat.models import ModelError
     from remat.plan import GateRefused
@@ -106,7 +117,7 @@ def main(argv: list[str] | None = None) -> int:
         return {"finetune": cmd_finetune, "plan": cmd_plan, "verify": cmd_verify}[args.command](args)
     except GateRefused as e:
         return fail(EXIT_REFUSED, str(e))
-    except (ModelError, DataError, UsageError) as e:
+    except (ModelError, DataError, UsageError, AdapterError, CheckpointError) as e:
         return fail(EXIT_BAD_INPUT, str(e))
     except KeyboardInterrupt:
         return fail(130, "interrupted")
@@ -140,11 +151,16 @@ def cmd_finetune(args: argparse.Namespace) -> int:
     settings = Settings(model=args.model, data=args.data, ctx=args.ctx, batch=args.batch, epochs=args.epochs,
                         steps=args.steps, lr=args.lr, seed=args.seed, recompute=args.recompute,
                         loss_chunk=args.loss_chunk, path=args.path, ubatch=args.ubatch,
-                        accumulate=args.accumulate, memory_budget=args.memory_budget, out=args.out)
+                        accumulate=args.accumulate, memory_budget=args.memory_budget, out=args.out,
+                        lora=not args.full, lora_r=args.lora_r, lora_alpha=args.lora_alpha,
+                        lora_dropout=args.lora_dropout,
+                        lora_targets=args.lora_targets.split(",") if args.lora_targets else None,
+                        save_every=args.save_every, resume=args.resume)
     r = finetune(settings, progress=True)
     losses = " ".join(f"{x:.6f}" for x in r["losses"])
     human = "\n".join([
-        f"model: {r['model']}",
+        f"model: {r['model']}  trainable parameters: {r['trainable_parameters']:,}  "
+        + f"frozen: {r['frozen_parameters']:,}",
         f"steps: {r['steps']}  losses: {losses}",
         f"recompute: {'on' if r['recompute'] else 'off'} ({r['recompute_reason']})",
         table({"on" if r["recompute"] else "off": r["plan"]}),

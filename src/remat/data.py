@@ -124,7 +124,8 @@ def _check_record(obj: object, where: str) -> dict:
         raise DataError(f"{where}: record has both {both}; use one")
     if not forms:
         keys = ", ".join(f'"{k}"' for k in list(obj)[:5]) or "none"
-        raise DataError(f'{where}: record needs "text", "messages", or "prompt" and "completion" (keys found: {keys})')
+        needs = '"text", "messages", or "prompt" and "completion"'
+        raise DataError(f"{where}: record needs {needs} (keys found: {keys})")
     if "text" in obj:
         text = obj["text"]
         if not isinstance(text, str) or not text.strip():
@@ -141,9 +142,9 @@ def _check_record(obj: object, where: str) -> dict:
 
 def _check_prompt_completion(obj: dict, where: str) -> dict:
     # TRL's prompt-completion form: both strings, or both message lists (conversational).
-    for key in ("prompt", "completion"):
+    for key, other in (("prompt", "completion"), ("completion", "prompt")):
         if key not in obj:
-            raise DataError(f'{where}: record has "{"completion" if key == "prompt" else "prompt"}" but no "{key}"')
+            raise DataError(f'{where}: record has "{other}" but no "{key}"')
     prompt, completion = obj["prompt"], obj["completion"]
     if isinstance(prompt, str) and isinstance(completion, str):
         for key, value in (("prompt", prompt), ("completion", completion)):
@@ -171,7 +172,8 @@ def _check_messages(messages: object, key: str, where: str) -> list[dict]:
     clean = []
     for i, m in enumerate(messages, 1):
         if not isinstance(m, dict):
-            raise DataError(f"{where}: {label} {i} must be an object with role and content, got {_json_type(m)}")
+            got = _json_type(m)
+            raise DataError(f"{where}: {label} {i} must be an object with role and content, got {got}")
         role, content = m.get("role"), m.get("content")
         if role not in ROLES:
             raise DataError(f"{where}: {label} {i} role must be one of {', '.join(ROLES)}, got {_show(role)}")
@@ -227,7 +229,8 @@ def tokenize(records: list[dict], tokenizer) -> list[Example]:
             # Encoded apart so the prompt/completion boundary is exact whatever the tokenizer merges.
             prompt = _encode(tokenizer, record["prompt"])
             completion = _encode(tokenizer, record["completion"]) + [_eos(tokenizer)]
-            examples.append(Example(ids=prompt + completion, loss_mask=[False] * len(prompt) + [True] * len(completion)))
+            mask = [False] * len(prompt) + [True] * len(completion)
+            examples.append(Example(ids=prompt + completion, loss_mask=mask))
         else:
             ids = _encode(tokenizer, record["text"]) + [_eos(tokenizer)]
             examples.append(Example(ids=ids, loss_mask=[True] * len(ids)))

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import statistics
 import sys
 import tempfile
 import time
@@ -19,7 +18,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from remat import data, models, walk
+from remat import adapters, checkpoints, data, models, walk
 from remat.capture import StepInputs, TrainGraph, capture
 from remat.plan import Measured, Plan, available_memory, gate, measure, plan, preflight
 from remat.recompute import rewrite
@@ -42,7 +41,7 @@ class Settings:
     batch: int = 1
     epochs: int = 1
     steps: int | None = None  # cap on optimizer steps
-    lr: float = 1e-4
+    lr: float | None = None  # None: 1e-3 for LoRA, 1e-4 for full fine-tuning
     seed: int = 0
     recompute: str = "auto"  # "on" | "off" | "auto"
     loss_chunk: int = DEFAULT_LOSS_CHUNK  # tokens per piece of the loss head; 0: one piece
@@ -51,6 +50,17 @@ class Settings:
     accumulate: int = 1  # windows (batches) per optimizer step
     memory_budget: int | None = None  # bytes; None: the device's free memory
     out: str | None = None
+    lora: bool = True  # False: full fine-tuning
+    lora_r: int = 8
+    lora_alpha: float = 16
+    lora_dropout: float = 0.0
+    lora_targets: list[str] | None = None  # None: every linear layer of the decoder
+    save_every: int | None = None  # optimizer steps between checkpoints (into --out)
+    resume: str | None = None  # a checkpoint folder, or a folder holding checkpoint-<step>/ folders
+
+    @property
+    def learning_rate(self) -> float:
+        return self.lr if self.lr is not None else (1e-3 if self.lora else 1e-4)
 
     def check(self) -> None:
         for name in ("ctx", "batch", "epochs", "ubatch", "accumulate"):
@@ -58,8 +68,10 @@ class Settings:
                 raise UsageError(f"--{name} must be a positive integer, got {getattr(self, name)}")
         if self.steps is not None and self.steps < 1:
             raise UsageError(f"--steps must be a positive integer, got {self.steps}")
-        if not self.lr > 0:
+        if self.lr is not None and not self.lr > 0:
             raise UsageError(f"--lr must be positive, got {self.lr}")
+        if self.save_every is not None and (self.save_every < 1 or not self.out):
+            raise UsageError("--save-every needs a positive number of steps and --out")
         if self.loss_chunk < 0:
             raise UsageError(f"--loss-chunk must be 0 or more, got {self.loss_chunk}")
         if self.recompute not in ("on", "off", "auto"):
@@ -156,20 +168,28 @@ def finetune(s: Settings, *, progress: bool = True, hooks: Hooks | None = None) 
     s.check()
     hooks = hooks or Hooks()
     budget = s.memory_budget or available_memory()  # read before the model takes its share
+    out = Path(s.out) if s.out else None
+    if out and out.exists() and (not out.is_dir() or any(out.iterdir())) and not s.resume:
+        raise UsageError(f"--out {out} exists and is not an empty folder")
+    resume = checkpoints.latest(s.resume) if s.resume else None
     torch.manual_seed(s.seed)
     loaded = models.load_model(s.model, seed=s.seed)
-    model = loaded.model
     if s.ctx > loaded.max_ctx:
         raise UsageError(f"--ctx {s.ctx} is above the model's maximum context {loaded.max_ctx}")
     windows = data.load_windows(s.data if s.data is not None else data.default_data_path(),
                                 loaded.tokenizer, s.ctx, s.batch)
+    model = loaded.model
+    if s.lora:
+        model = adapters.apply_lora(model, adapters.LoraSettings(s.lora_r, s.lora_alpha, s.lora_dropout,
+                                                                 s.lora_targets), seed=s.seed)
 
     plans = plans_for(model, s)
     use_recompute, reason = gate(plans, budget, s.recompute)
     graph = step_graph(model, s, use_recompute)
     preflight(graph, next(model.parameters()).device)
-    params = list(StepInputs.of(model).trainable.values())
-    optimizer = torch.optim.AdamW(params, lr=s.lr, weight_decay=0.0)
+    tensors = StepInputs.of(model)
+    params = list(tensors.trainable.values())
+    optimizer = torch.optim.AdamW(params, lr=s.learning_rate, weight_decay=0.0)
     window = Window(model, graph, s, hooks)
 
     per_epoch = len(windows) // s.batch // s.accumulate
@@ -178,37 +198,39 @@ def finetune(s: Settings, *, progress: bool = True, hooks: Hooks | None = None) 
         raise UsageError(f"--accumulate {s.accumulate} needs more batches than the data gives per epoch "
                          f"({len(windows) // s.batch})")
     losses: list[float] = []
-    epoch_seconds: list[float] = []
-    bar = tqdm(total=total, desc="finetune", unit="step", file=sys.stderr, disable=not progress)
+    if resume:
+        losses = checkpoints.restore(resume, tensors.trainable, optimizer)
+    bar = tqdm(total=total, initial=len(losses), desc="finetune", unit="step", file=sys.stderr,
+               disable=not progress)
     start = time.perf_counter()
-    for epoch in range(s.epochs):
-        t0 = time.perf_counter()
-        batches = data.batches(windows, s.batch, seed=s.seed, epoch=epoch)
-        for i in range(0, per_epoch * s.accumulate, s.accumulate):
-            if len(losses) == total:
-                break
-            step_loss, grads = 0.0, None
-            for input_ids, labels in batches[i:i + s.accumulate]:
-                loss, g = window.run(input_ids, labels)
-                step_loss += loss / s.accumulate
-                grads = g if grads is None else [a.add_(b) for a, b in zip(grads, g)]
-            for p, g in zip(params, grads):
-                p.grad = g.div_(s.accumulate) if s.accumulate > 1 else g
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-            losses.append(step_loss)
-            tokens = len(losses) * s.accumulate * s.batch * s.ctx
-            bar.set_postfix(loss=f"{step_loss:.4f}", tok_s=f"{tokens / (time.perf_counter() - start):.0f}")
-            bar.update()
-            hooks.on_step({"epoch": epoch, "step": len(losses), "loss": step_loss, "steps": total})
-        epoch_seconds.append(time.perf_counter() - t0)
-        if len(losses) == total:
-            break
+    batches, epoch_of_batches, saved = [], -1, []
+    for step in range(len(losses), total):
+        epoch, i = divmod(step, per_epoch)
+        if epoch != epoch_of_batches:
+            batches, epoch_of_batches = data.batches(windows, s.batch, seed=s.seed, epoch=epoch), epoch
+        step_loss, grads = 0.0, None
+        for input_ids, labels in batches[i * s.accumulate:(i + 1) * s.accumulate]:
+            loss, g = window.run(input_ids, labels)
+            step_loss += loss / s.accumulate
+            grads = g if grads is None else [a.add_(b) for a, b in zip(grads, g)]
+        for p, g in zip(params, grads):
+            p.grad = g.div_(s.accumulate) if s.accumulate > 1 else g
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        losses.append(step_loss)
+        tokens = (len(losses) - (resume.step if resume else 0)) * s.accumulate * s.batch * s.ctx
+        bar.set_postfix(loss=f"{step_loss:.4f}", tok_s=f"{tokens / (time.perf_counter() - start):.0f}")
+        bar.update()
+        hooks.on_step({"epoch": epoch, "step": len(losses), "loss": step_loss, "steps": total})
+        if s.save_every and len(losses) % s.save_every == 0:
+            saved.append(str(checkpoints.save(out, len(losses), tensors.trainable, optimizer, losses)))
     bar.close()
     elapsed = time.perf_counter() - start
+    trained = len(losses) - (resume.step if resume else 0)
 
-    outputs = save_model(loaded, s.out) if s.out else []
+    outputs = save_outputs(model, loaded, s, out) if out else []
     chunks = window.chunk_seconds
+    n_frozen = sum(t.numel() for t in tensors.frozen.values())
     return {
         "model": loaded.name,
         "losses": losses,
@@ -216,33 +238,42 @@ def finetune(s: Settings, *, progress: bool = True, hooks: Hooks | None = None) 
         "recompute_reason": reason,
         "plan": plans["on" if use_recompute else "off"].as_dict(),
         "plans": {k: p.as_dict() for k, p in plans.items()},
-        "measured": window.measured.as_dict(),
+        "measured": window.measured.as_dict() if window.measured else None,
         "steps": len(losses),
-        "seconds_per_epoch": statistics.mean(epoch_seconds),
-        "tokens_per_second": len(losses) * s.accumulate * s.batch * s.ctx / elapsed,
+        "trainable_parameters": sum(p.numel() for p in params),
+        "frozen_parameters": n_frozen,
+        "seconds_per_epoch": elapsed / max(trained, 1) * per_epoch,
+        "tokens_per_second": trained * s.accumulate * s.batch * s.ctx / elapsed,
         "chunks": len(chunks),
         "chunk_seconds": chunks,
-        "window_p50": percentile(chunks, 0.5),
-        "window_p95": percentile(chunks, 0.95),
-        "settings": {**asdict(s), "data": s.data if isinstance(s.data, str) or s.data is None else "<records>",
-                     "memory_budget": budget},
+        "window_p50": percentile(chunks, 0.5) if chunks else None,
+        "window_p95": percentile(chunks, 0.95) if chunks else None,
+        "resumed_from": str(resume.path) if resume else None,
+        "checkpoints": saved,
+        "settings": {**asdict(s), "lr": s.learning_rate, "memory_budget": budget,
+                     "data": s.data if isinstance(s.data, str) or s.data is None else "<records>"},
         "outputs": outputs,
     }
 
 
-def save_model(loaded: models.LoadedModel, out: str) -> list[str]:
-    """Write the model in HF layout (safetensors) into `out`, all or nothing."""
-    dest = Path(out)
-    if dest.exists() and (not dest.is_dir() or any(dest.iterdir())):
-        raise UsageError(f"--out {out} exists and is not an empty folder")
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.", dir=dest.parent))
+def save_outputs(model: torch.nn.Module, loaded: models.LoadedModel, s: Settings, out: Path) -> list[str]:
+    """The trained adapter (PEFT + GGUF) or full model (HF layout) into `out`, each file moved in whole."""
+    out.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=".final-", dir=out))
     try:
-        loaded.model.save_pretrained(tmp, safe_serialization=True)
-        loaded.tokenizer.save_pretrained(tmp)
-        if dest.exists():
-            dest.rmdir()
-        os.replace(tmp, dest)
+        staging = tmp / "files"
+        if s.lora:
+            gguf = models.default_gguf_path() if s.model is None else (
+                Path(s.model) if str(s.model).endswith(".gguf") else None)
+            adapters.save_adapter(model, staging, base_name=s.model or adapters.DEFAULT_BASE, base_gguf=gguf)
+        else:
+            staging.mkdir()
+            loaded.model.save_pretrained(staging, safe_serialization=True)
+            loaded.tokenizer.save_pretrained(staging)
+        files = []
+        for f in sorted(staging.iterdir()):
+            os.replace(f, out / f.name)
+            files.append(str(out / f.name))
+        return files
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    return sorted(str(p) for p in dest.iterdir())

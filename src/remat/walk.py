@@ -102,8 +102,7 @@ def chunk_loss(model: nn.Module, *inputs: torch.Tensor, names: list[str], loss_c
     return head_loss(model, hidden, labels, loss_chunk, n_targets)
 
 
-def capture_chunk(model: nn.Module, batch: int, ctx: int, ubatch: int, *, loss_chunk: int = 0,
-                  fake: bool = True) -> TrainGraph:
+def capture_chunk(model: nn.Module, batch: int, ctx: int, ubatch: int, *, loss_chunk: int = 0) -> TrainGraph:
     """Trace one chunk's step: placeholders are the model's tensors, the states, offset, target count, batch."""
     if ctx % ubatch:
         raise ValueError(f"--ctx {ctx} is not a multiple of --ubatch {ubatch}")
@@ -117,5 +116,5 @@ def capture_chunk(model: nn.Module, batch: int, ctx: int, ubatch: int, *, loss_c
         "labels": ("input", torch.zeros(batch, ubatch, dtype=torch.long)),
     }
     loss = functools.partial(chunk_loss, names=list(shapes), loss_chunk=loss_chunk)
-    return trace(model, loss, inputs, fake=fake,
+    return trace(model, loss, inputs,
                  info={"shape": (batch, ubatch), "ctx": ctx, "path": "walk", "loss_chunk": loss_chunk})

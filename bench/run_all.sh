@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# Regenerate the committed benchmark results in bench/results/ and their combined README table.
+#
+#   bench/run_all.sh            # all settings, about 15-20 minutes on 2 CPU cores
+#
+# Each run trains four variants side by side (remat recompute off / on, PyTorch per-layer
+# checkpointing, plain eager) and writes bench.json, bench.md and bench.png into its folder.
+# SmolLM2 at ctx 2048 is full fine-tuning at ~30 s a step per variant on 2 cores: 2 steps
+# there (the first is the warm-up, so its step time is one step's).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+if [[ -z "${VIRTUAL_ENV:-}" && -f .venv/bin/activate ]]; then
+  # shellcheck disable=SC1091
+  . .venv/bin/activate
+fi
+out=bench/results
+mkdir -p "$out"
+bench() { echo "== $*" >&2; python -m remat.bench "$@" >/dev/null; }
+start=$SECONDS
+
+bench --ctx 512 --steps 3 --out "$out/smollm2-ctx512"
+bench --model tiny-qwen35 --ctx 512 --steps 4 --out "$out/tiny-qwen35-ctx512"
+bench --ctx 2048 --steps 2 --out "$out/smollm2-ctx2048"
+bench --ctx 2048 --steps 2 --path walk --ubatch 256 --out "$out/smollm2-walk-ctx2048"
+
+python -c "from remat.bench import write_summary; print(write_summary('$out'))"
+echo "done in $((SECONDS - start)) s" >&2

@@ -1,0 +1,474 @@
+"""`remat bench`: remat with recompute off and on, PyTorch's own per-layer checkpointing, and plain eager.
+
+Four variants train side by side in one process, on the same data from the same initial
+weights, each with its own copy of the model and its own AdamW:
+
+- `remat_off`: the traced step (`train.step_graph`), recompute off, run as `train.Window` runs it;
+- `remat_on`: the same, recompute on;
+- `torch_checkpoint`: the Hugging Face model trained eagerly with its per-decoder-layer
+  `torch.utils.checkpoint` (non-reentrant), unchunked loss, `loss.backward()`;
+- `eager`: the same without checkpointing.
+
+Steps are interleaved (A B C D, A B C D, ...) so that drift of the machine hits all four
+alike. The first step of each variant is the warm-up (for remat it also traces) and is
+left out of the step time; it is also the step whose memory is measured, the same way for
+all four: every byte the allocator hands out or takes back while forward and backward run
+(the grads included), as a running sum from the start of the step, and its peak.
+On CPU that is the profiler's allocation events, on CUDA `max_memory_allocated`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import functools
+import json
+import platform
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from remat import models
+from remat.capture import StepInputs, causal_lm_loss
+from remat.plan import MiB, plan
+from remat.train import DEFAULT_LOSS_CHUNK, Hooks, Settings, UsageError, Window, step_graph
+
+VARIANTS = ("remat_off", "remat_on", "torch_checkpoint", "eager")
+LABELS = {"remat_off": "A", "remat_on": "B", "torch_checkpoint": "C", "eager": "D"}
+TIME_TARGET_SLACK = 1.05  # B/A step time at most 5% above C/D's
+TIME_TARGET_CPU = 1.35  # and at most 1.35 on CPU
+
+
+# ---------------------------------------------------------------------------------------- measuring
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def peak_during(fn: Callable[[], object], device: torch.device) -> tuple[object, int]:
+    """Run `fn()` and return its result and the peak of bytes allocated while it ran, above the start.
+
+    CPU: the profiler's allocation and free events, summed in order. CUDA: the allocator's peak
+    statistic minus what was allocated before. Tensors alive before the call count for nothing.
+    """
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        base = torch.cuda.memory_allocated(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        result = fn()
+        torch.cuda.synchronize(device)
+        return result, torch.cuda.max_memory_allocated(device) - base
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        result = fn()
+    cpu = torch._C._autograd.DeviceType.CPU
+    events = [e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]" and e.device_type() == cpu]
+    events.sort(key=lambda e: e.start_ns())  # stable: events with one timestamp keep their recorded order
+    live = peak = 0
+    for e in events:
+        live += e.nbytes()
+        peak = max(peak, live)
+    return result, peak
+
+
+# ---------------------------------------------------------------------------------------- variants
+
+
+@dataclass
+class Variant:
+    name: str
+    model: nn.Module
+    step: Callable[[torch.Tensor, torch.Tensor], float]  # forward + backward; leaves grads in p.grad
+    setup: Callable[[], None]  # before the first step, outside its measurement (remat: trace, plan)
+    params: list[nn.Parameter]
+    loss_note: str
+    planned_graph: int | None = None
+    planned_cache: int | None = None
+    measured_graph: int | None = None
+    measured_peak: int | None = None
+    seconds: list[float] = field(default_factory=list)
+    losses: list[float] = field(default_factory=list)
+    optimizer: torch.optim.Optimizer | None = None
+
+    def result(self) -> dict:
+        timed = self.seconds[1:]  # the first step is the warm-up
+        return {
+            "variant": self.name,
+            "planned_graph": self.planned_graph,
+            "planned_cache": self.planned_cache,
+            "measured_peak": self.measured_peak,
+            "measured_graph": self.measured_graph,
+            "step_seconds": statistics.median(timed) if timed else None,
+            "step_seconds_all": self.seconds,
+            "losses": self.losses,
+            "loss": self.loss_note,
+        }
+
+
+def _remat_variant(name: str, model: nn.Module, s: Settings, recompute: bool) -> Variant:
+    params = list(StepInputs.of(model).trainable.values())
+    state: dict = {}
+
+    def setup() -> None:
+        state["graph"] = step_graph(model, s, recompute)
+        p = plan(state["graph"])
+        v.planned_graph, v.planned_cache = p.graph, (p.cache or None)
+
+    def step(input_ids: torch.Tensor, labels: torch.Tensor) -> float:
+        if "window" not in state:  # the walk's cache is allocated here, inside the measured step
+            state["window"] = Window(model, state["graph"], s, Hooks())
+        window: Window = state["window"]
+        # The graph holds its own backward: autograd must not record it (with grad mode on, every op
+        # would save its inputs for a second, unused backward, and the grads would hold that graph).
+        with torch.no_grad():
+            loss, grads = window.run(input_ids, labels)  # the first chunk runs observed (plan.measure)
+        if v.measured_graph is None and window.measured is not None:
+            v.measured_graph = window.measured.graph
+        for p_, g in zip(params, grads):
+            p_.grad = g
+        return loss
+
+    note = f"remat, loss in chunks of {s.loss_chunk}" if s.loss_chunk else "remat, unchunked loss"
+    if s.path == "walk":
+        note += f", walk in chunks of {s.ubatch}"
+    v = Variant(name, model, step, setup, params, note)
+    return v
+
+
+def _eager_variant(name: str, model: nn.Module, checkpoint: bool) -> Variant:
+    if checkpoint:
+        kwargs = {"use_reentrant": False}
+        if hasattr(model, "activation_checkpointing_enable"):  # transformers' newer name
+            model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+        else:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+    params = list(StepInputs.of(model).trainable.values())
+
+    def step(input_ids: torch.Tensor, labels: torch.Tensor) -> float:
+        loss = causal_lm_loss(model, input_ids, labels, 0)  # what HF users get: one unchunked cross-entropy
+        loss.backward()
+        return loss.item()
+
+    note = "HF eager, unchunked loss" + (", per-layer torch.utils.checkpoint" if checkpoint else "")
+    return Variant(name, model, step, lambda: None, params, note)
+
+
+def random_batches(vocab: int, batch: int, ctx: int, steps: int, seed: int = 0) -> list[tuple[torch.Tensor, ...]]:
+    """`steps` batches of uniformly random tokens; labels are the next token (the last one is not trained)."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(steps):
+        ids = torch.randint(0, vocab, (batch, ctx + 1), generator=g)
+        out.append((ids[:, :-1].contiguous(), ids[:, 1:].contiguous()))
+    return out
+
+
+# ---------------------------------------------------------------------------------------- the bench
+
+
+def _ratio(a: float | None, b: float | None) -> float | None:
+    return a / b if a is not None and b else None
+
+
+def _max_abs_diff(a: list[float], b: list[float]) -> float:
+    return max((abs(x - y) for x, y in zip(a, b)), default=0.0)
+
+
+def run_bench(model: str | None, ctx: int, batch: int = 1, steps: int = 3, path: str = "ubatch",
+              ubatch: int = 256, loss_chunk: int = DEFAULT_LOSS_CHUNK, out: str | Path | None = None,
+              lr: float = 1e-4, *, seed: int = 0, progress: bool = True) -> dict:
+    """Train the four variants side by side for `steps` steps; write bench.json/.md/.png into `out`."""
+    if steps < 2:
+        raise UsageError(f"--steps must be at least 2 (the first step is the warm-up), got {steps}")
+    s = Settings(model=model, ctx=ctx, batch=batch, steps=steps, lr=lr, seed=seed, loss_chunk=loss_chunk,
+                 path=path, ubatch=ubatch)
+    s.check()
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+    def say(text: str) -> None:
+        if progress:
+            print(f"bench: {text}", file=sys.stderr, flush=True)
+
+    loaded = models.load_model(model, seed=seed)
+    if ctx > loaded.max_ctx:
+        raise UsageError(f"--ctx {ctx} is above the model's maximum context {loaded.max_ctx}")
+    base = loaded.model.to(device)
+    copies = [base] + [copy.deepcopy(base) for _ in VARIANTS[1:]]  # the same initial weights, before any use
+    variants = [
+        _remat_variant("remat_off", copies[0], s, False),
+        _remat_variant("remat_on", copies[1], s, True),
+        _eager_variant("torch_checkpoint", copies[2], True),
+        _eager_variant("eager", copies[3], False),
+    ]
+    for v in variants:
+        v.optimizer = torch.optim.AdamW(v.params, lr=lr, weight_decay=0.0)
+    data = [tuple(t.to(device) for t in b) for b in random_batches(base.config.vocab_size, batch, ctx, steps, seed)]
+
+    say(f"{loaded.name}, ctx {ctx}, batch {batch}, path {path}, {steps} steps on {device.type}")
+    with torch.device(device):  # tensors a step makes (traced graphs, walk offsets) land on the device
+        for i, (input_ids, labels) in enumerate(data):
+            for v in variants:
+                t0 = time.perf_counter()
+                if i == 0:  # the warm-up: remat traces here; the step is measured, not timed
+                    v.setup()
+                    loss, v.measured_peak = peak_during(functools.partial(v.step, input_ids, labels), device)
+                else:
+                    loss = v.step(input_ids, labels)
+                v.optimizer.step()
+                v.optimizer.zero_grad(set_to_none=True)
+                _sync(device)
+                v.seconds.append(time.perf_counter() - t0)
+                v.losses.append(loss)
+                say(f"step {i + 1}/{steps} {v.name:<16} loss {loss:.6f}  {v.seconds[-1]:.2f} s"
+                    + ("  (warm-up)" if i == 0 else ""))
+
+    results = [v.result() for v in variants]
+    result = {
+        "model": loaded.name,
+        "ctx": ctx,
+        "batch": batch,
+        "path": path,
+        "ubatch": ubatch if path == "walk" else None,
+        "loss_chunk": loss_chunk,
+        "steps": steps,
+        "lr": lr,
+        "device": device.type if device.type == "cpu" else f"cuda ({torch.cuda.get_device_name(device)})",
+        "threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+        "data": f"random tokens, seed {seed}",
+        "variants": results,
+    }
+    result |= summarize(result, device.type)
+    if out is not None:
+        write_outputs(result, Path(out))
+    return result
+
+
+def summarize(result: dict, device_type: str = "cpu") -> dict:
+    """Ratios, loss equality and the targets, from the four variants' results."""
+    a, b, c, d = (next(v for v in result["variants"] if v["variant"] == n) for n in VARIANTS)
+    ratios = {
+        "memory_on_over_off": _ratio(b["measured_peak"], a["measured_peak"]),
+        "memory_checkpoint_over_eager": _ratio(c["measured_peak"], d["measured_peak"]),
+        "memory_on_over_checkpoint": _ratio(b["measured_peak"], c["measured_peak"]),
+        "planned_graph_on_over_off": _ratio(b["planned_graph"], a["planned_graph"]),
+        "time_on_over_off": _ratio(b["step_seconds"], a["step_seconds"]),
+        "time_checkpoint_over_eager": _ratio(c["step_seconds"], d["step_seconds"]),
+        "time_on_over_checkpoint": _ratio(b["step_seconds"], c["step_seconds"]),
+    }
+    bitwise = len(a["losses"]) == len(b["losses"]) and all(
+        float(x).hex() == float(y).hex() for x, y in zip(a["losses"], b["losses"]))
+    losses = {
+        "on_equals_off_bitwise": bitwise,
+        "on_vs_off_max_abs_diff": _max_abs_diff(b["losses"], a["losses"]),
+        "checkpoint_vs_eager_max_abs_diff": _max_abs_diff(c["losses"], d["losses"]),
+        "off_vs_eager_max_abs_diff": _max_abs_diff(a["losses"], d["losses"]),
+    }
+    t_on, t_ckpt = ratios["time_on_over_off"], ratios["time_checkpoint_over_eager"]
+    targets = {
+        "peak_on_le_checkpoint": b["measured_peak"] <= c["measured_peak"],
+        "time_ratio_le_checkpoint_ratio_x1.05": t_on is not None and t_ckpt is not None
+        and t_on <= t_ckpt * TIME_TARGET_SLACK,
+        "losses_on_equal_off_bitwise": bitwise,
+    }
+    if device_type == "cpu":
+        targets["time_ratio_le_1.35"] = t_on is not None and t_on <= TIME_TARGET_CPU
+    return {"ratios": ratios, "loss_equality": losses, "targets": targets}
+
+
+# ---------------------------------------------------------------------------------------- outputs
+
+
+def _mib(n: int | None) -> str:
+    return "–" if n is None else f"{n / MiB:,.1f}"
+
+
+def _x(r: float | None) -> str:
+    return "–" if r is None else f"{r:.3f}×"
+
+
+def _secs(t: float | None) -> str:
+    return "–" if t is None else f"{t:.3f}"
+
+
+def title(result: dict) -> str:
+    walk = f", walk in chunks of {result['ubatch']}" if result["path"] == "walk" else ""
+    return (f"{result['model']}, ctx {result['ctx']}, batch {result['batch']}, path {result['path']}{walk}, "
+            f"{result['device']}")
+
+
+def markdown(result: dict) -> str:
+    r, le, tg = result["ratios"], result["loss_equality"], result["targets"]
+    by = {v["variant"]: v for v in result["variants"]}
+    versus = {"remat_on": ("vs remat_off", r["memory_on_over_off"], r["time_on_over_off"]),
+              "torch_checkpoint": ("vs eager", r["memory_checkpoint_over_eager"], r["time_checkpoint_over_eager"])}
+    lines = [
+        f"# remat bench: {title(result)}",
+        "",
+        (f"{result['steps']} steps per variant, interleaved; step time is the median wall time after the "
+        f"first (warm-up) step; {result['data']}; torch {result['torch']}, {result['threads']} threads."),
+        "",
+        ("| variant | loss | planned graph MiB | measured peak MiB | remat measured graph MiB | step s "
+        "| memory ratio | time ratio |"),
+        "|---|---|---:|---:|---:|---:|---|---|",
+    ]
+    for name in VARIANTS:
+        v = by[name]
+        against, mem, t = versus.get(name, ("", None, None))
+        lines.append(f"| {LABELS[name]} `{name}` | {v['loss']} | {_mib(v['planned_graph'])} "
+                     f"| {_mib(v['measured_peak'])} | {_mib(v['measured_graph'])} | {_secs(v['step_seconds'])} "
+                     f"| {_x(mem) + ' ' + against if mem is not None else '–'} "
+                     f"| {_x(t) + ' ' + against if t is not None else '–'} |")
+    verdict = "bitwise equal" if le["on_equals_off_bitwise"] else \
+        f"NOT bitwise equal (max abs diff {le['on_vs_off_max_abs_diff']:.3g})"
+    lines += [
+        "",
+        (f"remat_on vs torch_checkpoint: memory {_x(r['memory_on_over_checkpoint'])}, "
+        f"time {_x(r['time_on_over_checkpoint'])}."),
+        "",
+        (f"Losses: remat_on vs remat_off {verdict} over {len(by['remat_on']['losses'])} steps; "
+        f"torch_checkpoint vs eager max abs diff {le['checkpoint_vs_eager_max_abs_diff']:.3g} "
+        f"(remat_off vs eager {le['off_vs_eager_max_abs_diff']:.3g}: chunked vs unchunked loss)."),
+        "",
+        "Targets: " + ", ".join(f"{k} {'met' if ok else 'NOT met'}" for k, ok in tg.items()) + ".",
+        "",
+        "Measured peak: bytes allocated above the step's start while forward and backward run (grads "
+        "included, optimizer not), the same way for all four "
+        + ("(profiler allocation events)" if result["device"] == "cpu" else "(`torch.cuda.max_memory_allocated`)")
+        + "; planned graph: remat's plan of the graph alone (no grads)"
+        + ("; on the walk path the measured peak includes the KV cache." if result["path"] == "walk" else ".")
+        + " C and D run the whole window eagerly with the unchunked loss, as Hugging Face users get it.",
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def plot(result: dict, dest: Path) -> bool:
+    """Memory vs step time, one labelled point per variant; False when matplotlib is missing."""
+    try:
+        import matplotlib
+    except ImportError:
+        return False
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    colors = {"remat_off": "tab:blue", "remat_on": "tab:green", "torch_checkpoint": "tab:orange",
+              "eager": "tab:red"}
+    fig, ax = plt.subplots(figsize=(7, 4.8), dpi=120)
+    for v in result["variants"]:
+        x, y = v["step_seconds"], v["measured_peak"] / MiB
+        ax.scatter([x], [y], s=70, color=colors[v["variant"]], zorder=3)
+        ax.annotate(f"{LABELS[v['variant']]} {v['variant']}\n{y:,.0f} MiB, {x:.2f} s", (x, y),
+                    textcoords="offset points", xytext=(8, 6), fontsize=9)
+    xs = [v["step_seconds"] for v in result["variants"]]
+    ys = [v["measured_peak"] / MiB for v in result["variants"]]
+    ax.set_xlim(0, max(xs) * 1.35)
+    ax.set_ylim(0, max(ys) * 1.2)
+    ax.set_xlabel("step time, s (median after warm-up)")
+    ax.set_ylabel("measured activation peak, MiB")
+    ax.set_title(title(result), fontsize=9)
+    ax.grid(True, alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(dest, format="png")
+    plt.close(fig)
+    return True
+
+
+def write_outputs(result: dict, out: Path) -> list[str]:
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "bench.json").write_text(json.dumps(result, indent=2) + "\n")
+    (out / "bench.md").write_text(markdown(result))
+    written = [str(out / "bench.json"), str(out / "bench.md")]
+    if plot(result, out / "bench.png"):
+        written.append(str(out / "bench.png"))
+    else:
+        print("bench: matplotlib is not installed (pip install 'remat[bench]'): no bench.png", file=sys.stderr)
+    return written
+
+
+def write_summary(results_dir: str | Path) -> Path:
+    """One table over every `*/bench.json` under `results_dir`, written to `results_dir/README.md`."""
+    root = Path(results_dir)
+    rows = []
+    for f in sorted(root.glob("*/bench.json")):
+        r = json.loads(f.read_text())
+        by = {v["variant"]: v for v in r["variants"]}
+        ra, le, tg = r["ratios"], r["loss_equality"], r["targets"]
+        setting = f"{r['model']} ctx {r['ctx']} b{r['batch']} {r['path']}" + \
+            (f" {r['ubatch']}" if r["path"] == "walk" else "")
+        rows.append(
+            f"| [{f.parent.name}]({f.parent.name}/bench.md) | {setting} "
+            + "".join(f"| {_mib(by[n]['measured_peak'])} " for n in VARIANTS)
+            + "".join(f"| {_secs(by[n]['step_seconds'])} " for n in VARIANTS)
+            + f"| {_x(ra['memory_on_over_off'])} | {_x(ra['memory_checkpoint_over_eager'])} "
+            f"| {_x(ra['memory_on_over_checkpoint'])} | {_x(ra['time_on_over_off'])} "
+            f"| {_x(ra['time_checkpoint_over_eager'])} | {'yes' if le['on_equals_off_bitwise'] else 'NO'} "
+            f"| {sum(tg.values())}/{len(tg)} |"
+        )
+    first = json.loads(next(root.glob("*/bench.json")).read_text()) if rows else {}
+    text = "\n".join([
+        "# remat bench results",
+        "",
+        ("Regenerate with `bench/run_all.sh`. A = `remat_off`, B = `remat_on` (remat, recompute off / on), "
+        "C = `torch_checkpoint` (Hugging Face model, per-layer `torch.utils.checkpoint`), D = `eager` "
+        "(no checkpointing). Peaks are measured activation peaks in MiB (bytes allocated during forward + "
+        "backward above the step's start, grads included, measured the same way for all four); times are "
+        "median seconds per training step after a warm-up step. C and D use the plain unchunked loss."),
+        "",
+        (f"Machine: {first.get('device', '?')}, {first.get('threads', '?')} threads, torch {first.get('torch', '?')}; "
+         f"{platform.machine()}.") if rows else "No results yet.",
+        "",
+        ("| run | setting | A peak | B peak | C peak | D peak | A s | B s | C s | D s | mem B/A | mem C/D "
+        "| mem B/C | time B/A | time C/D | B == A bitwise | targets met |"),
+        "|---|---|" + "---:|" * 8 + "---:|" * 5 + "---|---|",
+        *rows,
+        "",
+        ("Targets per run: B's peak ≤ C's; B/A time ≤ C/D time × 1.05; B/A time ≤ 1.35 (CPU); "
+        "B's losses bitwise equal to A's. Each run's folder has bench.json, bench.md and bench.png."),
+    ])
+    dest = root / "README.md"
+    dest.write_text(text + "\n")
+    return dest
+
+
+# ---------------------------------------------------------------------------------------- command line
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    from remat.cli import non_negative_int, positive_float, positive_int
+
+    p.add_argument("--model", help="GGUF file, HF safetensors folder, or preset (default: embedded SmolLM2-135M)")
+    p.add_argument("--ctx", type=positive_int, default=512, help="tokens per window (default 512)")
+    p.add_argument("--batch", type=positive_int, default=1, help="windows per step (default 1)")
+    p.add_argument("--steps", type=positive_int, default=3,
+                   help="training steps per variant, the first a warm-up (default 3, at least 2)")
+    p.add_argument("--path", choices=("ubatch", "walk"), default="ubatch",
+                   help="remat's path: ubatch (one graph per window) or walk (chunks of --ubatch over a KV cache)")
+    p.add_argument("--ubatch", type=positive_int, default=256, help="walk: tokens per chunk (default 256)")
+    p.add_argument("--loss-chunk", type=non_negative_int, default=DEFAULT_LOSS_CHUNK,
+                   help=f"remat's loss in pieces of this many tokens, 0 = one piece (default {DEFAULT_LOSS_CHUNK})")
+    p.add_argument("--lr", type=positive_float, default=1e-4)
+    p.add_argument("--out", default="remat-bench", help="folder for bench.json, bench.md, bench.png "
+                   "(default remat-bench)")
+    p.add_argument("--json", action="store_true", help="print the bench.json object on stdout")
+
+
+def main(args: argparse.Namespace) -> int:
+    result = run_bench(args.model, args.ctx, args.batch, args.steps, args.path, args.ubatch, args.loss_chunk,
+                       args.out, args.lr)
+    print(json.dumps(result) if args.json else markdown(result) + f"\nwritten to {args.out}/")
+    return 0
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(prog="python -m remat.bench", description=__doc__.splitlines()[0])
+    add_arguments(parser)
+    sys.exit(main(parser.parse_args()))

@@ -1,0 +1,327 @@
+"""The walk path (shared/DESIGN.md §5): a window trained in chunks over an in-place KV cache and state.
+
+Each chunk is one traced step whose placeholders are the model's tensors, then the walk's
+states (`walk.new_state`), the chunk's offset, the window's target count and the chunk's ids
+and labels. It returns the chunk's summed cross-entropy over the window's target count and
+the grads, so a window's loss and grads are the sums over its chunks (`train.Window.run`).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+
+from remat import alias, walk
+from remat.capture import EagerStridesFakeMode, StepInputs, TrainGraph, capture
+from remat.models import build_from_config, load_config, load_model
+from remat.plan import Plan, measure, plan, plan_model
+from remat.recompute import explain, keep_reasons, rewrite, saved_nodes
+from remat.train import Settings, finetune
+
+TINY = ("tiny-llama", "tiny-qwen35")
+BATCH, CTX, UBATCH = 2, 64, 16
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _single_thread():
+    # Tiny graphs run fastest on one thread; two intra-op threads on a busy 2-CPU box crawl.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def random_window(vocab: int, batch: int, ctx: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, vocab, (batch, ctx), generator=g)
+    labels = torch.randint(0, vocab, (batch, ctx), generator=g)
+    labels[:, :3] = -100  # ignored targets, as a chat mask gives; the first chunk has fewer targets
+    labels[-1, -5:] = -100
+    return ids, labels
+
+
+def run_window(graph: TrainGraph, model: torch.nn.Module, state: dict[str, torch.Tensor], ids: torch.Tensor,
+               labels: torch.Tensor, ubatch: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """One window through the chunk graph, as `train.Window.run` does: -> (chunk losses, summed grads)."""
+    for t in state.values():
+        t.zero_()  # a new window starts from an empty cache and zero recurrent state
+    n_targets = (labels != -100).sum().to(torch.float32)
+    tensors = StepInputs.of(model)
+    losses, grads = [], None
+    with torch.no_grad():
+        for start in range(0, ids.shape[1], ubatch):
+            piece = [t[:, start:start + ubatch].contiguous() for t in (ids, labels)]
+            loss, *g = graph.gm(*tensors.args(*state.values(), torch.tensor(start), n_targets, *piece))
+            losses.append(loss)
+            grads = g if grads is None else [a.add_(b) for a, b in zip(grads, g)]
+    return losses, grads
+
+
+def ubatch_loss(model: torch.nn.Module, ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    tg = capture(model, ids, labels)
+    with torch.no_grad():
+        return tg(*StepInputs.of(model).args(ids, labels))[0]
+
+
+@functools.cache
+def tiny(name: str) -> tuple[torch.nn.Module, TrainGraph]:
+    """A tiny preset's model and its traced walk chunk (batch 2, ctx 64, ubatch 16), once per module."""
+    model = load_model(name, seed=0).model
+    return model, walk.capture_chunk(model, BATCH, CTX, UBATCH)
+
+
+@functools.cache
+def tiny_rewritten(name: str) -> TrainGraph:
+    return rewrite(tiny(name)[1])
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _drop_cached_graphs():
+    yield
+    tiny.cache_clear()
+    tiny_rewritten.cache_clear()
+    walk_plans.cache_clear()
+
+
+def roles_by_node(tg: TrainGraph) -> dict[torch.fx.Node, tuple[str, str]]:
+    return {n: (role, name) for n, role, name in zip(tg.placeholders(), tg.roles, tg.names)}
+
+
+def state_writes(tg: TrainGraph) -> list[tuple[torch.fx.Node, str]]:
+    """In-place writes whose root is a "state" placeholder: (node, state name)."""
+    root, roles = alias.roots(tg.graph), roles_by_node(tg)
+    out = []
+    for n in tg.graph.nodes:
+        for w in alias.written(n):
+            role, name = roles.get(root[w], (None, None))
+            if role == "state":
+                out.append((n, name))
+    return out
+
+
+# ------------------------------------------------------------------------------------ walk == ubatch
+
+
+@pytest.fixture(scope="module")
+def smollm2():
+    """The real SmolLM2-135M weights (the embedded GGUF). Loaded through the default cache, which
+    converts the GGUF on first use when it is missing (~25 s), so the test does not rely on it."""
+    return load_model(None).model
+
+
+@pytest.mark.parametrize("name", [*TINY, "smollm2"])
+def test_walk_forward_loss_equals_ubatch(name, request):
+    """The walk's window loss (sum of chunk losses) equals the one-graph ubatch loss within 1e-5
+    relative. Not bitwise: each chunk attends over the full-length cache with a mask (masked
+    keys included in the softmax's reductions) where the ubatch path runs causal SDPA over the
+    window, and the loss is a sum of per-chunk sums, each divided by the window's target count,
+    where the ubatch path takes one mean: both change the order of floating-point sums."""
+    if name == "smollm2":
+        model, batch, ubatch = request.getfixturevalue("smollm2"), 1, 32
+        tg = walk.capture_chunk(model, batch, CTX, ubatch)
+    else:
+        (model, tg), batch, ubatch = tiny(name), BATCH, UBATCH
+    ids, labels = random_window(model.config.vocab_size, batch, CTX, seed=1)
+    losses, _ = run_window(tg, model, walk.new_state(model, batch, CTX), ids, labels, ubatch)
+    assert len(losses) == CTX // ubatch
+    walked, reference = torch.stack(losses).sum(), ubatch_loss(model, ids, labels)
+    assert torch.isfinite(reference)
+    assert abs(walked.item() - reference.item()) <= 1e-5 * abs(reference.item()), (walked, reference)
+    # every chunk contributes: no chunk's loss is the whole window's
+    assert all(0 < loss.item() < reference.item() for loss in losses)
+
+
+# ------------------------------------------------------------------------------ recompute on == off
+
+
+@pytest.mark.parametrize("name", TINY)
+def test_walk_recompute_on_off_bitwise_over_windows(name):
+    """Three windows with AdamW steps in between: chunk losses, grads, the carried state after
+    each window and the updated weights are bitwise equal with recompute on and off."""
+    off_graph, on_graph = tiny(name)[1], tiny_rewritten(name)
+    runs = {}
+    for key, graph in (("off", off_graph), ("on", on_graph)):
+        model = load_model(name, seed=0).model
+        params = list(StepInputs.of(model).trainable.values())
+        opt = torch.optim.AdamW(params, lr=1e-3, weight_decay=0.0)
+        state = walk.new_state(model, BATCH, CTX)
+        record = []
+        for window in range(3):
+            ids, labels = random_window(model.config.vocab_size, BATCH, CTX, seed=10 + window)
+            losses, grads = run_window(graph, model, state, ids, labels, UBATCH)
+            record.append((losses, [g.clone() for g in grads], {k: v.clone() for k, v in state.items()}))
+            for p, g in zip(params, grads):
+                p.grad = g
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        runs[key] = (record, [p.detach().clone() for p in params])
+    (off, off_params), (on, on_params) = runs["off"], runs["on"]
+    for w, ((l0, g0, s0), (l1, g1, s1)) in enumerate(zip(off, on)):
+        assert all(torch.equal(a, b) for a, b in zip(l0, l1)), f"window {w}: losses differ"
+        assert len(g0) == len(g1) == len(off_params)
+        for i, (a, b) in enumerate(zip(g0, g1)):
+            assert torch.equal(a, b), f"window {w}: grad {i} differs by {(a - b).abs().max()}"
+        assert s0.keys() == s1.keys()
+        assert all(torch.equal(s0[k], s1[k]) for k in s0), f"window {w}: carried state differs"
+        assert any(s.abs().sum() > 0 for s in s0.values())  # the state really was written
+    assert all(torch.equal(a, b) for a, b in zip(off_params, on_params))
+
+
+@pytest.mark.parametrize("name", TINY)
+def test_finetune_walk_recompute_on_off(name):
+    steps = 3
+    receipts = {rc: finetune(Settings(model=name, path="walk", ctx=CTX, ubatch=UBATCH, batch=BATCH, steps=steps,
+                                      recompute=rc), progress=False) for rc in ("on", "off")}
+    on, off = receipts["on"], receipts["off"]
+    assert on["recompute"] is True and off["recompute"] is False
+    assert len(on["losses"]) == steps
+    assert on["losses"] == off["losses"]
+    for r in (on, off):
+        assert r["chunks"] == steps * CTX // UBATCH
+        assert len(r["chunk_seconds"]) == r["chunks"]
+        assert 0 < r["window_p50"] <= r["window_p95"]
+
+
+# ---------------------------------------------------------------------------- in-place cache writes
+
+
+def test_llama_chunk_writes_kv_cache_in_place():
+    model, tg = tiny("tiny-llama")
+    fwd = tg.forward_set()
+    writes = state_writes(tg)
+    layers = model.config.num_hidden_layers
+    assert sorted(name for _, name in writes) == sorted(f"{kv}.{i}" for kv in "kv" for i in range(layers))
+    for n, _ in writes:
+        assert n.target is torch.ops.aten.index_copy_.default
+        assert n in fwd
+
+
+def test_qwen35_chunk_writes_conv_recurrent_state_in_place():
+    model, tg = tiny("tiny-qwen35")
+    fwd = tg.forward_set()
+    writes = state_writes(tg)
+    assert all(n in fwd for n, _ in writes)
+    by_name = {name: n.target for n, name in writes}
+    assert len(by_name) == len(writes)  # each state written once per chunk
+    linear = [i for i, t in enumerate(model.config.layer_types) if t == "linear_attention"]
+    full = [i for i, t in enumerate(model.config.layer_types) if t == "full_attention"]
+    assert linear and full
+    for i in linear:
+        assert by_name.pop(f"conv.{i}") is torch.ops.aten.copy_.default
+        assert by_name.pop(f"recurrent.{i}") is torch.ops.aten.copy_.default
+    for i in full:
+        assert by_name.pop(f"k.{i}") is torch.ops.aten.index_copy_.default
+        assert by_name.pop(f"v.{i}") is torch.ops.aten.index_copy_.default
+    assert not by_name
+
+
+# ------------------------------------------------------------------------------- what the rewrite keeps
+
+
+def test_qwen35_state_reads_before_the_write_are_kept():
+    """The recurrent state's clone and the conv's cat read their buffer before this chunk writes
+    it: recomputed in backward they would read the new state, so they are kept."""
+    _, tg = tiny("tiny-qwen35")
+    reasons, roles = keep_reasons(tg), roles_by_node(tg)
+
+    def readers(prefix: str, op) -> list[torch.fx.Node]:
+        return [n for n in tg.forward_nodes() if n.target is op
+                and any(roles.get(a, ("", ""))[1].startswith(prefix) for a in n.all_input_nodes)]
+
+    clones = readers("recurrent.", torch.ops.aten.clone.default)
+    cats = readers("conv.", torch.ops.aten.cat.default)
+    n_linear = sum(t == "linear_attention" for t in tiny("tiny-qwen35")[0].config.layer_types)
+    assert len(clones) == len(cats) == n_linear > 0
+    for n in clones + cats:
+        assert reasons.get(n) == "reads-mutated-root", (n.name, reasons.get(n))
+    # the cats are saved for backward, and explain() reports them kept for that reason
+    kept = explain(tg).kept
+    assert all(kept.get(n.name) == "reads-mutated-root" for n in cats)
+
+
+def test_llama_attention_over_the_written_cache_is_recomputed():
+    """A K/V row written before attention reads the cache does not pin attention's intermediates."""
+    _, tg = tiny("tiny-llama")
+    reasons = keep_reasons(tg)
+    root = alias.roots(tg.graph)
+    kv = {n for n, (role, name) in roles_by_node(tg).items() if role == "state" and name[:2] in ("k.", "v.")}
+    writes = {n for n, _ in state_writes(tg)}
+
+    # nodes reading the cache (directly or through views) after its write, and everything downstream
+    after: set[torch.fx.Node] = set()
+    for n in tg.forward_nodes():
+        reads_cache = any(r in kv for r in alias.reads(n, root)) and n not in writes
+        if reads_cache or any(a in after or a in writes for a in n.all_input_nodes):
+            after.add(n)
+    sdpa = [n for n in tg.forward_nodes() if "_scaled_dot_product" in str(n.target)]
+    assert sdpa and all(n in after for n in sdpa)
+    bad = {n.name: reasons[n] for n in after if reasons.get(n) == "reads-mutated-root"}
+    assert not bad
+    assert not any(n in reasons for n in sdpa)
+    # the full-length K/V that attention reads (GQA-expanded copies of the cache) are saved for
+    # backward without recompute; the rewrite recomputes them rather than keeping them
+    full_kv = [n for n in saved_nodes(tg) if n in after and isinstance(v := n.meta.get("val"), torch.Tensor)
+               and v.dim() == 4 and v.shape[-2] == CTX]
+    assert len(full_kv) == len(writes)  # one K and one V per layer
+    kept = explain(tg).kept
+    assert not any(n in reasons or n.name in kept for n in full_kv)
+
+
+# ------------------------------------------------------------------------------------------- memory
+
+
+@functools.cache
+def walk_plans(num_layers: int, ctx: int) -> dict[str, Plan]:
+    """tiny-llama's walk plans at ubatch 64: `plan_model` at the preset's depth (2 layers); at another
+    depth built the way plan_model builds it, on fake tensors."""
+    if num_layers == load_config("tiny-llama").num_hidden_layers:
+        return plan_model("tiny-llama", ctx, 1, path="walk", ubatch=64)
+    with EagerStridesFakeMode(allow_non_fake_inputs=True):
+        model = build_from_config(load_config("tiny-llama", num_layers=num_layers))
+    tg = walk.capture_chunk(model, 1, ctx, 64)
+    return {"off": plan(tg), "on": plan(rewrite(tg))}
+
+
+def test_walk_graph_plan_does_not_grow_with_ctx():
+    """The issue's check on the default model's config: at fixed ubatch, with recompute the walk's
+    graph peak is the same at ctx 256 and 1024; only the cache grows (x4). The peak there is the
+    loss head and the weight gradients, which depend on the chunk. (Each chunk also attends over the
+    whole cache, so one layer's attention backward does grow with ctx: the next test pins that.)"""
+    short = plan_model("smollm2-135m", 256, 1, path="walk", ubatch=128)
+    long = plan_model("smollm2-135m", 1024, 1, path="walk", ubatch=128)
+    assert long["on"].cache == 4 * short["on"].cache > 0
+    assert abs(long["on"].graph - short["on"].graph) <= 0.01 * short["on"].graph
+    assert long["off"].graph > short["off"].graph  # without recompute every layer's attention grows
+
+
+def test_walk_graph_growth_with_ctx_is_one_layer_with_recompute():
+    """What holds instead: at fixed ubatch, with recompute the walk's graph grows with ctx by one
+    layer's attention over the cache (the same growth at 2 and 4 layers); without, by every
+    layer's. The cache grows in proportion to ctx and depth."""
+    def growth(layers: int, key: str) -> int:
+        return walk_plans(layers, 1024)[key].graph - walk_plans(layers, 256)[key].graph
+
+    assert growth(2, "on") == growth(4, "on") > 0
+    assert growth(4, "off") > 1.5 * growth(2, "off") > 0
+    assert walk_plans(4, 1024)["on"].cache == 4 * walk_plans(4, 256)["on"].cache == 2 * walk_plans(2, 1024)["on"].cache
+    assert walk_plans(4, 1024)["on"].graph < walk_plans(4, 1024)["off"].graph / 2
+
+
+@pytest.mark.parametrize("name", TINY)
+@pytest.mark.parametrize("recompute", ["off", "on"])
+def test_walk_planned_graph_matches_measured(name, recompute):
+    model, tg = tiny(name)
+    if recompute == "on":
+        tg = tiny_rewritten(name)
+    state = walk.new_state(model, BATCH, CTX)
+    for t in state.values():
+        t.normal_(generator=torch.Generator().manual_seed(2))  # earlier chunks' rows and state
+    ids, labels = random_window(model.config.vocab_size, BATCH, UBATCH, seed=3)
+    args = StepInputs.of(model).args(*state.values(), torch.tensor(UBATCH), torch.tensor(100.0), ids, labels)
+    planned = plan(tg).graph
+    with torch.no_grad():
+        _, measured = measure(tg, args)
+    assert planned > 0
+    assert abs(measured.graph - planned) <= 0.05 * planned, (planned, measured.graph)
