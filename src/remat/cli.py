@@ -92,6 +92,13 @@ def parser() -> argparse.ArgumentParser:
     model_args(pl, 512)
     pl.add_argument("--recompute", choices=("on", "off", "both"), default="both")
 
+    e = sub.add_parser("export", help="write the base model with a trained adapter merged in (HF layout)")
+    e.add_argument("--merge", action="store_true", required=True, help="merge the adapter into the base weights")
+    e.add_argument("--adapter", required=True, help="adapter folder written by `remat finetune --out`")
+    e.add_argument("--out", required=True, help="new folder for the merged model")
+    e.add_argument("--model", help="the base (default: the one recorded in the adapter)")
+    e.add_argument("--seed", type=int, default=0, help="seed of a random-weight preset base")
+
     v = sub.add_parser("verify", help="one step comparing every recompute clone with its original")
     model_args(v, 128)
     v.add_argument("--explain", action="store_true", help="print what is kept across the backward, and why")
@@ -114,7 +121,8 @@ def main(argv: list[str] | None = None) -> int:
     from remat.train import UsageError
 
     try:
-        return {"finetune": cmd_finetune, "plan": cmd_plan, "verify": cmd_verify}[args.command](args)
+        commands = {"finetune": cmd_finetune, "plan": cmd_plan, "verify": cmd_verify, "export": cmd_export}
+        return commands[args.command](args)
     except GateRefused as e:
         return fail(EXIT_REFUSED, str(e))
     except (ModelError, DataError, UsageError, AdapterError, CheckpointError) as e:
@@ -185,6 +193,14 @@ def cmd_plan(args: argparse.Namespace) -> int:
               "loss_chunk": args.loss_chunk,
               "plans": {k: plans[k].as_dict() for k in keep}}
     emit(args, result, table(result["plans"]))
+    return 0
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    from remat.adapters import merge_into_base
+
+    files = merge_into_base(args.model, args.adapter, args.out, seed=args.seed)
+    print("\n".join(files))
     return 0
 
 

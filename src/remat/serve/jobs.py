@@ -1,0 +1,647 @@
+"""Training jobs for `remat serve`: validate, plan and gate, queue, train one at a time, keep state in SQLite.
+
+`submit` does everything that can refuse a job before it is queued: it checks each field, tokenizes the
+data (when a tokenizer is at hand), and plans the graph that will run on fake tensors (the model built
+from its config, LoRA attached), so a job that cannot fit is refused with both plans before anything is
+allocated. One worker thread then runs the queued jobs in order through `train.finetune`, whose
+`before_chunk` hook hands control to the scheduler (it yields to decoding) and stops a cancelled job.
+
+State lives in `state_dir`:
+    state.db            jobs, their events (the SSE stream, replayable by id) and the adapters
+    jobs/<id>/          a job's checkpoints while it runs (resume continues from the latest)
+    adapters/<id>/      a finished LoRA job's adapter (PEFT files + adapter.gguf), moved in whole
+    models/<id>/        a finished full fine-tune's model folder
+A server killed mid-job finds the job "running" at the next start and marks it failed ("interrupted");
+`resume` requeues it from its last checkpoint. Finished adapters are files plus rows: they survive.
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import logging
+import math
+import os
+import secrets
+import shutil
+import sqlite3
+import threading
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from remat import adapters, checkpoints, data, models, train
+from remat.capture import EagerStridesFakeMode
+from remat.plan import GateRefused, Plan, available_memory, gate
+from remat.serve.scheduler import Scheduler, Totals
+
+log = logging.getLogger("remat.serve")
+
+ACTIVE = ("queued", "running")
+FINISHED = ("succeeded", "failed", "cancelled")
+INTERRUPTED = "interrupted"
+MAX_NAME = 64
+# Request fields and the Settings field each one sets; "data", "lora", "recompute" and "name" are special.
+INT_FIELDS = {"epochs": 1, "ctx": 1, "batch": 1, "ubatch": 1, "steps": 1, "save_every": 0, "seed": 0,
+              "accumulate": 1, "loss_chunk": 0}  # field -> smallest value allowed
+IGNORED_FIELDS = ("model",)  # like llama.cpp's server: a server trains the model it serves
+
+SCHEMA = """
+CREATE TABLE IF NOT EXISTS jobs (
+    seq INTEGER PRIMARY KEY AUTOINCREMENT,
+    id TEXT UNIQUE NOT NULL,
+    name TEXT,
+    status TEXT NOT NULL,
+    reason TEXT,
+    settings TEXT NOT NULL,
+    data TEXT NOT NULL,
+    plan TEXT NOT NULL,
+    progress TEXT NOT NULL DEFAULT '{}',
+    result TEXT,
+    created REAL NOT NULL,
+    finished REAL
+);
+CREATE TABLE IF NOT EXISTS adapters (
+    id INTEGER PRIMARY KEY,
+    job_id TEXT NOT NULL,
+    name TEXT NOT NULL,
+    path TEXT NOT NULL,
+    scale REAL NOT NULL DEFAULT 0
+);
+CREATE TABLE IF NOT EXISTS events (
+    job_id TEXT NOT NULL,
+    seq INTEGER NOT NULL,
+    event TEXT NOT NULL,
+    data TEXT NOT NULL,
+    PRIMARY KEY (job_id, seq)
+);
+"""
+
+
+class JobError(Exception):
+    """A request the job API refuses; `status` is the HTTP status, `code` names what is wrong."""
+
+    def __init__(self, status: int, code: str, message: str, type: str = "invalid_request_error",
+                 extra: dict | None = None):
+        super().__init__(message)
+        self.status, self.code, self.message, self.type = status, code, message, type
+        self.extra = extra or {}
+
+    def body(self) -> dict:
+        """The error as an OpenAI / llama.cpp style body: {"error": {code, type, message, ...}}."""
+        return {"error": {"code": self.code, "type": self.type, "message": self.message, **self.extra}}
+
+
+def _invalid(name: str, message: str) -> JobError:
+    return JobError(400, f"invalid_{name}", message, extra={"param": name})
+
+
+def _one_line(e: BaseException) -> str:
+    text = " ".join(str(e).split())
+    return text[:500] or type(e).__name__
+
+
+@dataclass
+class _Run:
+    """The running job's live state, shared by the worker's hooks and `cancel`."""
+
+    job_id: str
+    mark: Totals
+    losses: list[float]
+    windows: list[float] = field(default_factory=list)
+    cancel: threading.Event = field(default_factory=threading.Event)
+
+
+class JobManager:
+    def __init__(self, *, model: str | None, state_dir: Path, scheduler: Scheduler,
+                 memory_budget: int | None = None, save_every: int = 1, tokenizer=None):
+        """`model`: the spec the server trains (None: the embedded default). `save_every`: steps between
+        checkpoints of a job that does not say (they make a crashed job resumable). `tokenizer`: the served
+        model's, to check at submit that the data gives windows (presets bring their own)."""
+        self.model, self.scheduler, self.memory_budget = model, scheduler, memory_budget
+        self.save_every = save_every
+        self.state_dir = Path(state_dir)
+        self.state_dir.mkdir(parents=True, exist_ok=True)
+        self._tokenizer = tokenizer
+        self._config = None
+        self._plans: dict[tuple, dict[str, Plan]] = {}
+        self._lock = threading.RLock()  # the database and the fields below
+        self._changed = threading.Condition(self._lock)  # a new event, a queued job, closing
+        self._torch = threading.Lock()  # planning and training never trace or touch the RNG at once
+        self._queue: collections.deque[str] = collections.deque()
+        self._run: _Run | None = None
+        self._closing = False
+        self._db = sqlite3.connect(self.state_dir / "state.db", check_same_thread=False, isolation_level=None)
+        self._db.row_factory = sqlite3.Row
+        self._db.execute("PRAGMA journal_mode=WAL")  # a step event per step: no fsync per commit
+        self._db.execute("PRAGMA synchronous=NORMAL")
+        self._db.executescript(SCHEMA)
+        self._recover()
+        self._worker = threading.Thread(target=self._work, name="remat-train", daemon=True)
+        self._worker.start()
+
+    # ------------------------------------------------------------------------------------------ API
+
+    def submit(self, req: dict) -> dict:
+        """Validate, plan and gate a job, then queue it; raises JobError (400, 422) when it cannot run."""
+        s, records, name = self._validate(req)
+        steps = self._check_data(s, records)
+        plans = self._plan(s)
+        budget = self.memory_budget or available_memory()
+        try:
+            use, reason = gate(plans, budget, s.recompute)
+        except GateRefused as e:
+            raise JobError(422, "insufficient_memory", str(e), type="insufficient_memory",
+                           extra={"plans": {k: p.as_dict() for k, p in plans.items()}, "budget": budget}) from None
+        plan = {"plans": {k: p.as_dict() for k, p in plans.items()}, "recompute": use,
+                "recompute_reason": reason, "budget": budget}
+        settings = {k: v for k, v in asdict(s).items() if k not in ("data", "out", "resume", "memory_budget")}
+        job_id = f"job-{secrets.token_hex(8)}"
+        with self._lock:
+            self._db.execute(
+                "INSERT INTO jobs (id, name, status, settings, data, plan, progress, created) "
+                "VALUES (?, ?, 'queued', ?, ?, ?, ?, ?)",
+                (job_id, name, json.dumps(settings), json.dumps(records), json.dumps(plan),
+                 json.dumps({"steps": steps} if steps else {}), time.time()))
+            self._event(job_id, "queued", {"position": len(self._queue) + (self._run is not None)})
+            self._queue.append(job_id)
+            self._changed.notify_all()
+        return {"id": job_id, "status": "queued", "plan": plan["plans"]["on" if use else "off"],
+                "plans": plan["plans"], "recompute": use, "recompute_reason": reason, "budget": budget,
+                "steps": steps}
+
+    def list(self) -> list[dict]:
+        with self._lock:
+            ids = [r["id"] for r in self._db.execute("SELECT id FROM jobs ORDER BY seq")]
+            return [self.get(i) for i in ids]
+
+    def get(self, job_id: str) -> dict:
+        with self._lock:
+            row = self._row(job_id)
+            progress = json.loads(row["progress"])
+            result = json.loads(row["result"]) if row["result"] else {}
+            plan = json.loads(row["plan"])
+            adapter = self._db.execute("SELECT id, name, path, scale FROM adapters WHERE job_id = ?",
+                                       (job_id,)).fetchone()
+            run = self._run if self._run and self._run.job_id == job_id else None
+        return {
+            "id": job_id,
+            "object": "train.job",
+            "name": row["name"],
+            "status": row["status"],
+            "reason": row["reason"],
+            "epoch": progress.get("epoch"),
+            "step": progress.get("step", 0),
+            "steps": progress.get("steps"),
+            "losses": progress.get("losses", []),
+            "plan": plan["plans"]["on" if plan["recompute"] else "off"],
+            "plans": plan["plans"],
+            "recompute": plan["recompute"],
+            "recompute_reason": plan["recompute_reason"],
+            "budget": plan["budget"],
+            "measured": result.get("measured"),
+            "chunks": progress.get("chunks", 0),
+            "window_p50": progress.get("window_p50"),
+            "window_p95": progress.get("window_p95"),
+            "waited_seconds": progress.get("waited_seconds"),
+            "slowdown_ppm": progress.get("slowdown_ppm"),
+            "slowdown_source": progress.get("slowdown_source"),
+            "adapter": dict(adapter) if adapter else None,
+            "output": result.get("output"),
+            "result": result or None,
+            "cancel_requested": bool(run and run.cancel.is_set()),
+            "resumable": row["status"] in ("failed", "cancelled"),
+            "checkpoint_step": self._checkpoint_step(job_id),
+            "created": row["created"],
+            "finished": row["finished"],
+            "settings": json.loads(row["settings"]),
+        }
+
+    def cancel(self, job_id: str, wait: float = 2.0) -> dict:
+        """Cancel a queued job at once, a running one at its next chunk boundary (waiting up to `wait`
+        seconds for it to stop); 409 when the job already finished."""
+        with self._lock:
+            status = self._row(job_id)["status"]
+            if status in FINISHED:
+                raise JobError(409, "job_finished", f"training job {job_id} already {status}")
+            if job_id in self._queue:
+                self._queue.remove(job_id)
+                self._finish(job_id, "cancelled", "cancelled by request")
+                return self.get(job_id)
+            if self._run and self._run.job_id == job_id:
+                self._run.cancel.set()
+            deadline = time.monotonic() + wait
+            while self._row(job_id)["status"] not in FINISHED and (left := deadline - time.monotonic()) > 0:
+                self._changed.wait(left)
+        return self.get(job_id)
+
+    def events_since(self, job_id: str, after: int = 0) -> list[dict]:
+        """The job's events with id > `after`, oldest first: {"id", "event", "data"}."""
+        with self._lock:
+            self._row(job_id)
+            rows = self._db.execute("SELECT seq, event, data FROM events WHERE job_id = ? AND seq > ? "
+                                    "ORDER BY seq", (job_id, after)).fetchall()
+        return [{"id": r["seq"], "event": r["event"], "data": json.loads(r["data"])} for r in rows]
+
+    def wait_events(self, job_id: str, after: int = 0, timeout: float = 15.0) -> list[dict]:
+        """Like events_since, but waits up to `timeout` seconds for one; returns [] at once when the job
+        has finished and nothing newer is left (the stream can end)."""
+        deadline = time.monotonic() + timeout
+        with self._lock:
+            while True:
+                events = self.events_since(job_id, after)
+                if events or self._row(job_id)["status"] in FINISHED:
+                    return events
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return []
+                self._changed.wait(left)
+
+    def resume(self, job_id: str) -> dict:
+        """Requeue a failed or cancelled job; it continues from its last checkpoint (or starts over)."""
+        with self._lock:
+            row = self._row(job_id)
+            if row["status"] not in ("failed", "cancelled"):
+                raise JobError(409, "not_resumable", f"training job {job_id} is {row['status']}: only a failed "
+                               "or cancelled job can be resumed")
+            plan = json.loads(row["plan"])
+            plans = {k: Plan(**{f: v for f, v in p.items() if f != "total"}) for k, p in plan["plans"].items()}
+            budget = self.memory_budget or available_memory()
+            try:  # memory may have changed since the job was submitted
+                plan["recompute"], plan["recompute_reason"] = gate(plans, budget,
+                                                                    json.loads(row["settings"])["recompute"])
+            except GateRefused as e:
+                raise JobError(422, "insufficient_memory", str(e), type="insufficient_memory",
+                               extra={"plans": plan["plans"], "budget": budget}) from None
+            plan["budget"] = budget
+            self._db.execute("UPDATE jobs SET status = 'queued', reason = NULL, finished = NULL, plan = ? "
+                             "WHERE id = ?", (json.dumps(plan), job_id))
+            self._event(job_id, "queued", {"resumed_from_step": self._checkpoint_step(job_id)})
+            self._queue.append(job_id)
+            self._changed.notify_all()
+            return self.get(job_id)
+
+    def adapters(self) -> list[dict]:
+        """Finished LoRA adapters in llama.cpp's /lora-adapters shape, plus name and job."""
+        with self._lock:
+            rows = self._db.execute("SELECT id, name, path, scale, job_id FROM adapters ORDER BY id").fetchall()
+        return [dict(r) for r in rows]
+
+    def set_scales(self, scales: list[dict]) -> list[dict]:
+        """Set adapter scales from [{"id", "scale"}]; adapters not listed go to 0 (as llama.cpp does)."""
+        if not isinstance(scales, list):
+            raise _invalid("scales", "expected a list of {\"id\": int, \"scale\": number}")
+        with self._lock:
+            known = {r["id"] for r in self._db.execute("SELECT id FROM adapters")}
+            new = dict.fromkeys(known, 0.0)
+            for item in scales:
+                if not isinstance(item, dict) or not isinstance(item.get("id"), int) or isinstance(item["id"], bool):
+                    raise _invalid("id", f"each entry needs an integer id, got {item!r}")
+                scale = item.get("scale", 0.0)
+                if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale):
+                    raise _invalid("scale", f"adapter {item['id']}: scale must be a finite number, got {scale!r}")
+                if item["id"] not in known:
+                    raise JobError(400, "invalid_adapter_id", f"no adapter with id {item['id']}",
+                                   extra={"param": "id"})
+                new[item["id"]] = float(scale)
+            with self._db:
+                self._db.executemany("UPDATE adapters SET scale = ? WHERE id = ?",
+                                     [(v, k) for k, v in new.items()])
+        return self.adapters()
+
+    def close(self, timeout: float = 60.0) -> None:
+        """Stop the worker: a running job stops at its next chunk boundary and is marked interrupted
+        (resumable); queued jobs are marked interrupted at the next start."""
+        with self._lock:
+            self._closing = True
+            self._changed.notify_all()
+        self._worker.join(timeout)
+        if not self._worker.is_alive():
+            self._db.close()
+
+    # ------------------------------------------------------------------------------------------ checks
+
+    def _model_config(self):
+        if self._config is None:
+            try:
+                self._config = models.load_config(self.model)
+            except models.ModelError as e:
+                raise JobError(500, "model_unavailable", str(e), type="server_error") from None
+        return self._config
+
+    def _validate(self, req: dict) -> tuple[train.Settings, list[dict], str | None]:
+        if not isinstance(req, dict):
+            raise JobError(400, "invalid_request", "the request must be a JSON object")
+        req = {k: v for k, v in req.items() if v is not None and k not in IGNORED_FIELDS}
+        known = {"data", "lr", "path", "recompute", "lora", "name", *INT_FIELDS}
+        for k in req:
+            if k not in known:
+                raise JobError(400, "unknown_field", f"unknown field {k!r} (known: {', '.join(sorted(known))})",
+                               extra={"param": k})
+        if "data" not in req:
+            raise _invalid("data", "data is required: a list of records ({\"text\": ...}, {\"messages\": [...]} "
+                           "or {\"prompt\": ..., \"completion\": ...})")
+        try:
+            records = data.parse_records(req["data"])
+        except data.DataError as e:
+            raise _invalid("data", str(e)) from None
+
+        ints = {}
+        for k, lowest in INT_FIELDS.items():
+            if k in req:
+                v = req[k]
+                if isinstance(v, float) and v.is_integer():
+                    v = int(v)
+                if isinstance(v, bool) or not isinstance(v, int):
+                    raise _invalid(k, f"{k} must be an integer, got {v!r}")
+                if v < lowest:
+                    raise _invalid(k, f"{k} must be at least {lowest}, got {v}")
+                ints[k] = v
+        max_ctx = int(self._model_config().max_position_embeddings)
+        ctx = ints.setdefault("ctx", min(256, max_ctx))
+        if ctx > max_ctx:
+            raise _invalid("ctx", f"ctx {ctx} is above the model's maximum context {max_ctx}")
+
+        path = req.get("path", "ubatch")
+        if path not in ("ubatch", "walk"):
+            raise _invalid("path", f"path must be \"ubatch\" or \"walk\", got {path!r}")
+        ubatch = ints.setdefault("ubatch", min(256, ctx))
+        if path == "walk" and ctx % ubatch:
+            raise _invalid("ubatch", f"ctx {ctx} must be a multiple of ubatch {ubatch} on the walk path")
+
+        lr = req.get("lr")
+        if lr is not None and (isinstance(lr, bool) or not isinstance(lr, (int, float)) or not math.isfinite(lr)
+                               or lr <= 0):
+            raise _invalid("lr", f"lr must be a positive number, got {lr!r}")
+
+        recompute = req.get("recompute", "auto")
+        recompute = {True: "on", False: "off"}.get(recompute, recompute) if isinstance(recompute, bool) else recompute
+        if recompute not in ("on", "off", "auto"):
+            raise _invalid("recompute", f"recompute must be true, false or \"auto\", got {req['recompute']!r}")
+
+        name = req.get("name")
+        if name is not None and (not isinstance(name, str) or not name.strip() or len(name) > MAX_NAME):
+            raise _invalid("name", f"name must be a non-empty string of at most {MAX_NAME} characters")
+
+        save_every = ints.pop("save_every", self.save_every)
+        s = train.Settings(model=self.model, path=path, recompute=recompute, lr=float(lr) if lr else None,
+                           save_every=save_every or None, out="<job folder>", **ints, **self._lora(req.get("lora")))
+        try:
+            s.check()  # the trainer's own rules, as a backstop
+        except train.UsageError as e:
+            raise JobError(400, "invalid_request", str(e).replace("--", "")) from None
+        return s, records, name
+
+    @staticmethod
+    def _lora(lora: object) -> dict:
+        if lora is None or lora is True:
+            return {"lora": True}
+        if lora is False:
+            return {"lora": False}  # full fine-tuning
+        if not isinstance(lora, dict):
+            raise _invalid("lora", f"lora must be an object {{r, alpha, dropout, targets}} or false, got {lora!r}")
+        unknown = set(lora) - {"r", "alpha", "dropout", "targets"}
+        if unknown:
+            raise _invalid("lora", f"unknown lora field(s): {', '.join(sorted(unknown))}")
+        out: dict = {"lora": True}
+        r = lora.get("r", 8)
+        if isinstance(r, bool) or not isinstance(r, int) or r < 1:
+            raise _invalid("lora", f"lora.r must be a positive integer, got {r!r}")
+        out["lora_r"] = r
+        for key, low, high in (("alpha", 0.0, math.inf), ("dropout", 0.0, 1.0)):
+            if key in lora:
+                v = lora[key]
+                ok = not isinstance(v, bool) and isinstance(v, (int, float)) and math.isfinite(v)
+                if not ok or not (low < v if key == "alpha" else low <= v < high):
+                    raise _invalid("lora", f"lora.{key} must be {'positive' if key == 'alpha' else 'in [0, 1)'}, "
+                                   f"got {v!r}")
+                out[f"lora_{key}"] = float(v)
+        targets = lora.get("targets")
+        if targets is not None:
+            if not isinstance(targets, list) or not targets or not all(isinstance(t, str) and t for t in targets):
+                raise _invalid("lora", f"lora.targets must be a non-empty list of module names, got {targets!r}")
+            out["lora_targets"] = list(targets)
+        return out
+
+    def _check_data(self, s: train.Settings, records: list[dict]) -> int | None:
+        """Tokenize and window the data as the trainer will; returns the job's optimizer steps."""
+        tokenizer = self._tokenizer
+        if tokenizer is None and self.model in models.TRAINABLE_PRESETS:
+            tokenizer = self._tokenizer = models.tiny_tokenizer()
+        if tokenizer is None:
+            return None  # checked when the job runs
+        try:
+            windows = data.load_windows(records, tokenizer, s.ctx, s.batch)
+        except data.DataError as e:
+            raise _invalid("data", str(e)) from None
+        per_epoch = len(windows) // s.batch // s.accumulate
+        if per_epoch == 0:
+            raise _invalid("accumulate", f"accumulate {s.accumulate} needs more batches than the data gives per "
+                           f"epoch ({len(windows) // s.batch})")
+        return min(s.steps or per_epoch * s.epochs, per_epoch * s.epochs)
+
+    def _plan(self, s: train.Settings) -> dict[str, Plan]:
+        """Plans (recompute off/on) of the graph the job will run, traced on fake tensors: no weights."""
+        lora = (s.lora_r, s.lora_alpha, s.lora_dropout, tuple(s.lora_targets or ())) if s.lora else None
+        key = (s.path, s.batch, s.ctx, s.ubatch if s.path == "walk" else None, s.loss_chunk, lora)
+        if key in self._plans:
+            return self._plans[key]
+        config = self._model_config()
+        with self._torch:
+            try:
+                with EagerStridesFakeMode(allow_non_fake_inputs=True):
+                    model = models.build_from_config(config, seed=s.seed)
+                if s.lora:  # outside the fake mode: PEFT cannot swap fake weights, and the adapter is small
+                    model = adapters.apply_lora(model, adapters.LoraSettings(
+                        s.lora_r, s.lora_alpha, s.lora_dropout, s.lora_targets), seed=s.seed)
+                plans = train.plans_for(model, s)
+            except adapters.AdapterError as e:
+                raise _invalid("lora", str(e)) from None
+            except models.ModelError as e:
+                raise JobError(500, "model_unavailable", str(e), type="server_error") from None
+            except Exception as e:  # a model the planner cannot trace: say so, do not crash the server
+                log.exception("planning failed")
+                raise JobError(500, "plan_failed", f"cannot plan this job: {_one_line(e)}",
+                               type="server_error") from None
+        self._plans[key] = plans
+        return plans
+
+    # ------------------------------------------------------------------------------------------ worker
+
+    def _work(self) -> None:
+        while True:
+            with self._lock:
+                while not self._queue and not self._closing:
+                    self._changed.wait()
+                if self._closing:
+                    return
+                job_id = self._queue.popleft()
+                run = self._run = _Run(job_id, self.scheduler.mark(),
+                                       json.loads(self._row(job_id)["progress"]).get("losses", []))
+            try:
+                self._train(run)
+            except Exception as e:  # bookkeeping broke, not training: record it and keep serving
+                log.exception("training job %s", job_id)
+                with self._lock:
+                    if self._row(job_id)["status"] not in FINISHED:
+                        self._finish(job_id, "failed", f"{type(e).__name__}: {_one_line(e)}")
+            finally:
+                with self._lock:
+                    self._run = None
+                    self._changed.notify_all()
+
+    def _train(self, run: _Run) -> None:
+        job_id = run.job_id
+        with self._lock:
+            row = self._row(job_id)
+            stored = json.loads(row["settings"])
+            records = json.loads(row["data"])
+            budget = json.loads(row["plan"])["budget"]
+            self._db.execute("UPDATE jobs SET status = 'running' WHERE id = ?", (job_id,))
+        out = self.state_dir / "jobs" / job_id
+        resume = self._checkpoint(job_id)
+        if resume is None and out.exists():
+            shutil.rmtree(out)  # leftovers of a run that saved no checkpoint: start over
+        s = train.Settings(**stored, data=records, out=str(out), memory_budget=budget,
+                           resume=str(resume.path) if resume else None)
+        with self._lock:
+            self._event(job_id, "started", {"resumed_from_step": resume.step if resume else None})
+        self.scheduler.new_job()
+
+        held, opened = False, None  # the torch lock; when the running chunk began
+
+        def close_chunk() -> None:
+            nonlocal opened
+            if opened is not None:
+                seconds = time.monotonic() - opened
+                self.scheduler.chunk_done(seconds)
+                run.windows.append(seconds)
+                opened = None
+
+        def cancelled() -> bool:
+            return run.cancel.is_set() or self._closing
+
+        def before_chunk() -> None:
+            # A chunk lasts from one call to the next: all the trainer does in between holds the device.
+            nonlocal held, opened
+            close_chunk()
+            if held:
+                self._torch.release()
+                held = False
+            self.scheduler.before_chunk(cancelled)
+            self._torch.acquire()
+            held = True
+            opened = time.monotonic()
+
+        def on_step(event: dict) -> None:
+            run.losses = run.losses[:event["step"] - 1] + [event["loss"]]
+            progress = {"epoch": event["epoch"], "step": event["step"], "steps": event["steps"],
+                        "losses": run.losses, **self._timings(run)}
+            with self._lock:
+                self._db.execute("UPDATE jobs SET progress = ? WHERE id = ?", (json.dumps(progress), job_id))
+                self._event(job_id, "step", {k: event[k] for k in ("epoch", "step", "steps", "loss")})
+
+        self._torch.acquire()
+        held = True
+        try:
+            receipt = train.finetune(s, progress=False, hooks=train.Hooks(before_chunk=before_chunk, on_step=on_step))
+            close_chunk()
+            output = self._publish(job_id, s, receipt["outputs"])
+        except train.Cancelled:
+            close_chunk()
+            if run.cancel.is_set():
+                self._end(run, "cancelled", "cancelled by request")
+            else:
+                self._end(run, "failed", INTERRUPTED)
+            return
+        except Exception as e:
+            close_chunk()
+            known = (ValueError, GateRefused, MemoryError)  # the project's errors are ValueErrors with one line
+            if not isinstance(e, known):
+                log.exception("training job %s failed", job_id)
+            self._end(run, "failed", _one_line(e) if isinstance(e, known) else f"{type(e).__name__}: {_one_line(e)}")
+            return
+        finally:
+            if held:
+                self._torch.release()
+        result = {k: v for k, v in receipt.items() if k not in ("chunk_seconds", "checkpoints", "outputs")}
+        result["output"] = str(output)
+        with self._lock:
+            if s.lora:
+                next_id = self._db.execute("SELECT COALESCE(MAX(id), -1) + 1 FROM adapters").fetchone()[0]
+                self._db.execute("INSERT INTO adapters (id, job_id, name, path, scale) VALUES (?, ?, ?, ?, 0)",
+                                 (next_id, job_id, self._row(job_id)["name"] or job_id, str(output)))
+            self._end(run, "succeeded", None, result)
+        shutil.rmtree(out, ignore_errors=True)  # its checkpoints are not needed any more
+
+    def _publish(self, job_id: str, s: train.Settings, files: list[str]) -> Path:
+        """Move the trained files into adapters/<id> (or models/<id>) in one rename: whole or absent."""
+        final = self.state_dir / ("adapters" if s.lora else "models") / job_id
+        final.parent.mkdir(parents=True, exist_ok=True)
+        tmp = final.parent / f".tmp-{job_id}"
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir()
+        for f in files:
+            os.replace(f, tmp / Path(f).name)
+        if final.exists():  # left by a crash after the rename, before it was recorded
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+        return final
+
+    def _timings(self, run: _Run) -> dict:
+        stats = self.scheduler.stats(since=run.mark)
+        windows = run.windows
+        return {"chunks": len(windows),
+                "window_p50": train.percentile(windows, 0.5) if windows else None,
+                "window_p95": train.percentile(windows, 0.95) if windows else None,
+                "waited_seconds": stats["waited_seconds"], "slowdown_ppm": stats["slowdown_ppm"],
+                "slowdown_source": stats["slowdown_source"]}
+
+    def _end(self, run: _Run, status: str, reason: str | None, result: dict | None = None) -> None:
+        with self._lock:
+            progress = {**json.loads(self._row(run.job_id)["progress"]), "losses": run.losses, **self._timings(run)}
+            self._db.execute("UPDATE jobs SET progress = ? WHERE id = ?", (json.dumps(progress), run.job_id))
+            self._finish(run.job_id, status, reason, result)
+
+    # ------------------------------------------------------------------------------------------ state
+
+    def _recover(self) -> None:
+        """Jobs a previous server left queued or running did not finish: mark them interrupted."""
+        with self._lock:
+            for r in self._db.execute("SELECT id FROM jobs WHERE status IN ('queued', 'running') "
+                                      "ORDER BY seq").fetchall():
+                self._finish(r["id"], "failed", INTERRUPTED)
+
+    def _row(self, job_id: str) -> sqlite3.Row:
+        row = self._db.execute("SELECT * FROM jobs WHERE id = ?", (str(job_id),)).fetchone()
+        if row is None:
+            raise JobError(404, "not_found", f"no training job {job_id!r}", type="not_found_error")
+        return row
+
+    def _checkpoint(self, job_id: str) -> checkpoints.Checkpoint | None:
+        try:
+            return checkpoints.latest(self.state_dir / "jobs" / job_id)
+        except checkpoints.CheckpointError:
+            return None
+
+    def _checkpoint_step(self, job_id: str) -> int | None:
+        ckpt = self._checkpoint(job_id)
+        return ckpt.step if ckpt else None
+
+    def _finish(self, job_id: str, status: str, reason: str | None, result: dict | None = None) -> None:
+        # caller holds self._lock
+        self._db.execute("UPDATE jobs SET status = ?, reason = ?, finished = ?, result = COALESCE(?, result) "
+                         "WHERE id = ?", (status, reason, time.time(), json.dumps(result) if result else None,
+                                          job_id))
+        data = {"reason": reason} if reason else {}
+        if result:
+            data |= {"steps": result.get("steps"), "losses": result.get("losses"), "output": result.get("output")}
+        self._event(job_id, status, data)
+
+    def _event(self, job_id: str, event: str, data: dict) -> None:
+        # caller holds self._lock
+        seq = self._db.execute("SELECT COALESCE(MAX(seq), 0) + 1 FROM events WHERE job_id = ?",
+                               (job_id,)).fetchone()[0]
+        self._db.execute("INSERT INTO events (job_id, seq, event, data) VALUES (?, ?, ?, ?)",
+                         (job_id, seq, event, json.dumps(data)))
+        self._changed.notify_all()
