@@ -186,14 +186,25 @@ def test_bad_input_exits_2_with_one_line(bad_runs, name):
     assert not out.exists(), f"--out {out} was created by a run that failed: {r!r}"
 
 
-@pytest.mark.parametrize("option,value", [("--ctx", "0"), ("--batch", "-1"), ("--epochs", "0"), ("--lr", "0"),
-                                          ("--steps", "0"), ("--memory-budget", "0")])
-def test_non_positive_numbers_are_usage_errors(cli, tmp_path, option, value):
-    out = tmp_path / "out"
-    r = cli("finetune", "--model", "tiny-llama", option, value, "--out", out)
+USAGE_CASES = (("--ctx", "0"), ("--batch", "-1"), ("--epochs", "0"), ("--lr", "0"), ("--steps", "0"),
+               ("--memory-budget", "0"))
+
+
+@pytest.fixture(scope="module")
+def usage_runs(cli, tmp_path_factory) -> dict[tuple[str, str], tuple[Run, Path]]:
+    d = tmp_path_factory.mktemp("usage")
+    outs = {case: d / f"out{i}" for i, case in enumerate(USAGE_CASES)}
+    futures = {case: cli.start("finetune", "--model", "tiny-llama", *case, "--out", outs[case])
+               for case in USAGE_CASES}
+    return {case: (f.result(), outs[case]) for case, f in futures.items()}
+
+
+@pytest.mark.parametrize("case", USAGE_CASES, ids=" ".join)
+def test_non_positive_numbers_are_usage_errors(usage_runs, case):
+    r, out = usage_runs[case]
     assert r.rc == 2, r
     assert "Traceback" not in r.err and r.out == "", r
-    assert "error" in r.err and option in r.err and "usage:" in r.err, r
+    assert "usage:" in r.err and f"error: argument {case[0]}" in r.err, r
     assert not out.exists()
 
 
@@ -412,3 +423,10 @@ def test_verify(cli):
     assert human.rc == 0 and "Traceback" not in human.err, human
     assert f"all {result['clones']} clones equal" in human.out, human
     assert "kept across the backward" in human.out and "prefix" in human.out, human
+
+
+def test_cli_default_loss_chunk_is_the_library_default():
+    import remat.capture
+    import remat.cli
+
+    assert remat.cli.DEFAULT_LOSS_CHUNK == remat.capture.DEFAULT_LOSS_CHUNK

@@ -12,7 +12,8 @@ import os
 import sys
 import warnings
 
-from remat.train import DEFAULT_LOSS_CHUNK
+# Nothing heavy at import time: `remat --help` and argument errors answer at once.
+DEFAULT_LOSS_CHUNK = 256  # remat.capture.DEFAULT_LOSS_CHUNK; a test keeps the two equal
 
 EXIT_CHECK_FAILED, EXIT_BAD_INPUT, EXIT_REFUSED = 1, 2, 3
 
@@ -53,6 +54,42 @@ def memory_size(text: str) -> int:
         raise argparse.ArgumentTypeError(str(e)) from None
 
 
+def lora_args(c: argparse.ArgumentParser) -> None:
+    c.add_argument("--full", action="store_true", help="full fine-tuning instead of a LoRA adapter")
+    c.add_argument("--lora-r", type=positive_int, default=8)
+    c.add_argument("--lora-alpha", type=positive_float, default=16.0)
+    c.add_argument("--lora-dropout", type=float, default=0.0)
+    c.add_argument("--lora-targets", help="comma-separated module names (default: every linear layer)")
+
+
+def lora_settings(args: argparse.Namespace):
+    from remat.adapters import LoraSettings
+
+    if args.full:
+        return None
+    targets = args.lora_targets.split(",") if args.lora_targets else None
+    return LoraSettings(args.lora_r, args.lora_alpha, args.lora_dropout, targets)
+
+
+def serve_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", help="GGUF file, HF safetensors folder, or preset (default: embedded SmolLM2-135M)")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
+    p.add_argument("--port", type=integer(0), default=8080, help="port (default 8080)")
+    p.add_argument("--api-key", action="append", default=[], metavar="KEY",
+                   help="require this key (Authorization: Bearer KEY or X-Api-Key); repeatable")
+    p.add_argument("--parallel", "-np", type=integer(1), default=1,
+                   help="requests that decode at once; more wait (default 1)")
+    p.add_argument("--ctx", type=integer(1), help="context size for serving (default: the model's maximum)")
+    p.add_argument("--max-slowdown-ppm", type=integer(0), default=50_000,
+                   help="how much training may slow decoding, in parts per million (default 50000 = 5%%)")
+    p.add_argument("--memory-budget", type=memory_size, help="memory for training jobs, e.g. 2GiB (default: free memory)")
+    p.add_argument("--state-dir", default="remat-state",
+                   help="folder for jobs, their events and adapters (default ./remat-state)")
+    p.add_argument("--max-body", type=integer(1), default=64 << 20,
+                   help="largest request body in bytes (default 64 MiB)")
+    p.add_argument("--threads", type=integer(1), help="torch CPU threads (default: torch's choice)")
+
+
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="remat", description="Fine-tune language models in less memory.")
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -80,24 +117,21 @@ def parser() -> argparse.ArgumentParser:
                    help="recompute per-layer intermediates in backward (default auto: only when needed to fit)")
     f.add_argument("--memory-budget", type=memory_size, help="e.g. 2GiB (default: free memory of the device)")
     f.add_argument("--out", help="folder for the adapter (PEFT + adapter.gguf), or the model with --full")
-    f.add_argument("--full", action="store_true", help="full fine-tuning instead of a LoRA adapter")
-    f.add_argument("--lora-r", type=positive_int, default=8)
-    f.add_argument("--lora-alpha", type=positive_float, default=16.0)
-    f.add_argument("--lora-dropout", type=float, default=0.0)
-    f.add_argument("--lora-targets", help="comma-separated module names (default: every linear layer)")
+    lora_args(f)
     f.add_argument("--save-every", type=positive_int, help="write a checkpoint every N steps into --out")
     f.add_argument("--resume", help="continue from the latest checkpoint in this folder")
 
     pl = sub.add_parser("plan", help="memory plan from the config alone; allocates nothing")
     model_args(pl, 512)
     pl.add_argument("--recompute", choices=("on", "off", "both"), default="both")
+    lora_args(pl)
 
     e = sub.add_parser("export", help="write the base model with a trained adapter merged in (HF layout)")
     e.add_argument("--merge", action="store_true", required=True, help="merge the adapter into the base weights")
     e.add_argument("--adapter", required=True, help="adapter folder written by `remat finetune --out`")
     e.add_argument("--out", required=True, help="new folder for the merged model")
     e.add_argument("--model", help="the base (default: the one recorded in the adapter)")
-    e.add_argument("--seed", type=int, default=0, help="seed of a random-weight preset base")
+    serve_args(sub.add_parser("serve", help="serve completions and train in the background"))
 
     v = sub.add_parser("verify", help="one step comparing every recompute clone with its original")
     model_args(v, 128)
@@ -121,7 +155,8 @@ def main(argv: list[str] | None = None) -> int:
     from remat.train import UsageError
 
     try:
-        commands = {"finetune": cmd_finetune, "plan": cmd_plan, "verify": cmd_verify, "export": cmd_export}
+        commands = {"finetune": cmd_finetune, "plan": cmd_plan, "verify": cmd_verify, "export": cmd_export,
+                    "serve": cmd_serve}
         return commands[args.command](args)
     except GateRefused as e:
         return fail(EXIT_REFUSED, str(e))
@@ -156,13 +191,13 @@ def table(plans: dict) -> str:
 def cmd_finetune(args: argparse.Namespace) -> int:
     from remat.train import Settings, finetune
 
+    lora_targets = args.lora_targets.split(",") if args.lora_targets else None
     settings = Settings(model=args.model, data=args.data, ctx=args.ctx, batch=args.batch, epochs=args.epochs,
                         steps=args.steps, lr=args.lr, seed=args.seed, recompute=args.recompute,
                         loss_chunk=args.loss_chunk, path=args.path, ubatch=args.ubatch,
                         accumulate=args.accumulate, memory_budget=args.memory_budget, out=args.out,
                         lora=not args.full, lora_r=args.lora_r, lora_alpha=args.lora_alpha,
-                        lora_dropout=args.lora_dropout,
-                        lora_targets=args.lora_targets.split(",") if args.lora_targets else None,
+                        lora_dropout=args.lora_dropout, lora_targets=lora_targets,
                         save_every=args.save_every, resume=args.resume)
     r = finetune(settings, progress=True)
     losses = " ".join(f"{x:.6f}" for x in r["losses"])
@@ -182,24 +217,34 @@ def cmd_finetune(args: argparse.Namespace) -> int:
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
+    from remat.models import load_config
     from remat.plan import plan_model
 
     if args.path == "walk" and args.ctx % args.ubatch:
         return fail(EXIT_BAD_INPUT, f"--ctx {args.ctx} must be a multiple of --ubatch {args.ubatch} on the walk path")
+    limit = load_config(args.model).max_position_embeddings
+    if args.ctx > limit:  # a plan answers "would it fit"; training there is refused
+        print(f"remat: note: --ctx {args.ctx} is above the model's maximum context {limit}", file=sys.stderr)
     plans = plan_model(args.model, args.ctx, args.batch, loss_chunk=args.loss_chunk, path=args.path,
-                       ubatch=args.ubatch)
+                       ubatch=args.ubatch, lora=lora_settings(args))
     keep = ["off", "on"] if args.recompute == "both" else [args.recompute]
     result = {"model": args.model or "default", "ctx": args.ctx, "batch": args.batch, "path": args.path,
-              "loss_chunk": args.loss_chunk,
+              "loss_chunk": args.loss_chunk, "lora": not args.full,
               "plans": {k: plans[k].as_dict() for k in keep}}
     emit(args, result, table(result["plans"]))
     return 0
 
 
+def cmd_serve(args: argparse.Namespace) -> int:
+    from remat.serve import app as serve_app
+
+    return serve_app.main(args)
+
+
 def cmd_export(args: argparse.Namespace) -> int:
     from remat.adapters import merge_into_base
 
-    files = merge_into_base(args.model, args.adapter, args.out, seed=args.seed)
+    files = merge_into_base(args.model, args.adapter, args.out)
     print("\n".join(files))
     return 0
 

@@ -16,8 +16,8 @@ import torch
 from torch import fx
 from torch.multiprocessing.reductions import StorageWeakRef
 
-from remat import models, walk
-from remat.capture import EagerStridesFakeMode, TrainGraph, capture, interpret
+from remat import adapters, models, walk
+from remat.capture import DEFAULT_LOSS_CHUNK, EagerStridesFakeMode, TrainGraph, capture, interpret
 from remat.recompute import rewrite
 
 MiB = 1 << 20
@@ -131,8 +131,9 @@ def plan(tg: TrainGraph) -> Plan:
     )
 
 
-def plan_model(spec: str | None, ctx: int, batch: int = 1, *, loss_chunk: int = 0, path: str = "ubatch",
-               ubatch: int = 256, checkpoint_prefix: str = "l_out") -> dict[str, Plan]:
+def plan_model(spec: str | None, ctx: int, batch: int = 1, *, loss_chunk: int = DEFAULT_LOSS_CHUNK,
+               path: str = "ubatch", ubatch: int = 256, lora: adapters.LoraSettings | None = None,
+               checkpoint_prefix: str = "l_out") -> dict[str, Plan]:
     """Plans with recompute off and on, from the model's config alone: no weights, nothing allocated.
 
     The model is built and the step traced on fake tensors, which carry shapes, dtypes
@@ -141,6 +142,8 @@ def plan_model(spec: str | None, ctx: int, batch: int = 1, *, loss_chunk: int = 
     config = models.load_config(spec)
     with EagerStridesFakeMode(allow_non_fake_inputs=True):
         model = models.build_from_config(config)
+    if lora is not None:  # outside the fake mode: PEFT cannot swap fake weights, and the adapter is small
+        model = adapters.apply_lora(model, lora)
     if path == "walk":
         tg = walk.capture_chunk(model, batch, ctx, ubatch, loss_chunk=loss_chunk)
     else:

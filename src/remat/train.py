@@ -19,14 +19,11 @@ import torch
 from tqdm import tqdm
 
 from remat import adapters, checkpoints, data, models, walk
-from remat.capture import StepInputs, TrainGraph, capture
-from remat.plan import Measured, Plan, available_memory, gate, measure, plan, preflight
+from remat.capture import DEFAULT_LOSS_CHUNK, StepInputs, TrainGraph, capture
+from remat.plan import GateRefused, Measured, Plan, available_memory, gate, measure, plan, preflight
 from remat.recompute import rewrite
 
 CHECKPOINT_PREFIX = "l_out"  # recompute "on" keeps exactly the per-layer residual stream
-# With recompute, only one chunk's logits live at a time. SmolLM2 at ctx 2048 plans a
-# 1,296 MiB graph unchunked, 545 MiB at 512 and 473 MiB at 256 (`remat plan --loss-chunk`).
-DEFAULT_LOSS_CHUNK = 256
 
 
 class UsageError(ValueError):
@@ -105,8 +102,8 @@ def step_graph(model: torch.nn.Module, s: Settings, recompute: bool) -> TrainGra
     return cache[key]
 
 
-def plans_for(model: torch.nn.Module, s: Settings) -> dict[str, Plan]:
-    return {k: plan(step_graph(model, s, k == "on")) for k in ("off", "on")}
+def plans_for(model: torch.nn.Module, s: Settings, which: list[str] = ("off", "on")) -> dict[str, Plan]:
+    return {k: plan(step_graph(model, s, k == "on")) for k in which}
 
 
 class Cancelled(Exception):
@@ -173,7 +170,7 @@ def finetune(s: Settings, *, progress: bool = True, hooks: Hooks | None = None) 
         raise UsageError(f"--out {out} exists and is not an empty folder")
     resume = checkpoints.latest(s.resume) if s.resume else None
     torch.manual_seed(s.seed)
-    loaded = models.load_model(s.model, seed=s.seed)
+    loaded = models.load_model(s.model)  # a preset's weights are fixed: the seed is the run's, not the base's
     if s.ctx > loaded.max_ctx:
         raise UsageError(f"--ctx {s.ctx} is above the model's maximum context {loaded.max_ctx}")
     windows = data.load_windows(s.data if s.data is not None else data.default_data_path(),
@@ -183,8 +180,12 @@ def finetune(s: Settings, *, progress: bool = True, hooks: Hooks | None = None) 
         model = adapters.apply_lora(model, adapters.LoraSettings(s.lora_r, s.lora_alpha, s.lora_dropout,
                                                                  s.lora_targets), seed=s.seed)
 
-    plans = plans_for(model, s)
-    use_recompute, reason = gate(plans, budget, s.recompute)
+    plans = plans_for(model, s, ["off", "on"] if s.recompute == "auto" else [s.recompute])
+    try:
+        use_recompute, reason = gate(plans, budget, s.recompute)
+    except GateRefused:
+        gate(plans_for(model, s), budget, s.recompute)  # raises again, with both plans in the message
+        raise
     graph = step_graph(model, s, use_recompute)
     preflight(graph, next(model.parameters()).device)
     tensors = StepInputs.of(model)
@@ -237,7 +238,7 @@ def finetune(s: Settings, *, progress: bool = True, hooks: Hooks | None = None) 
         "recompute": use_recompute,
         "recompute_reason": reason,
         "plan": plans["on" if use_recompute else "off"].as_dict(),
-        "plans": {k: p.as_dict() for k, p in plans.items()},
+        "plans": {k: p.as_dict() for k, p in plans.items()},  # the ones the gate needed
         "measured": window.measured.as_dict() if window.measured else None,
         "steps": len(losses),
         "trainable_parameters": sum(p.numel() for p in params),

@@ -22,10 +22,12 @@ import sys
 import threading
 import time
 import uuid
+import warnings
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Annotated, Literal
 
+import anyio.to_thread
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
@@ -35,7 +37,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from remat.serve.engine import Engine, EngineError, Generation, SamplingParams
 
-__all__ = ["add_arguments", "create_app", "main"]
+__all__ = ["create_app", "main"]
 
 log = logging.getLogger("remat.serve")
 
@@ -201,9 +203,26 @@ class DetokenizeRequest(Body):
 
 
 class TrainRequest(BaseModel):
-    """Fields are checked by the job manager, which names the bad one; this only requires an object."""
+    """A training job. The job manager checks each value and names the bad field (`param`)."""
 
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="forbid")
+
+    data: object = Field(description='records: [{"text"}, {"messages": [...]}, or {"prompt", "completion"}]')
+    name: object = Field(None, description="a name for the job and its adapter (at most 64 characters)")
+    epochs: object = Field(None, description="passes over the data (default 1)")
+    steps: object = Field(None, description="stop after this many optimizer steps")
+    ctx: object = Field(None, description="tokens per window (default min(256, the model's maximum))")
+    batch: object = Field(None, description="windows per step (default 1)")
+    accumulate: object = Field(None, description="batches per optimizer step (default 1)")
+    lr: object = Field(None, description="learning rate (default 1e-3 with LoRA, 1e-4 for full fine-tuning)")
+    seed: object = Field(None, description="seed of the adapter's initial weights and the data order (default 0)")
+    recompute: object = Field(None, description='true, false or "auto" (default "auto": only when needed to fit)')
+    path: object = Field(None, description='"ubatch" (one graph per window) or "walk" (chunks over a KV cache)')
+    ubatch: object = Field(None, description="walk: tokens per chunk")
+    loss_chunk: object = Field(None, description="tokens per piece of the loss head; 0: one piece")
+    save_every: object = Field(None, description="optimizer steps between checkpoints (resume continues from one)")
+    lora: object = Field(None, description="{r, alpha, dropout, targets}, or false for full fine-tuning")
+    model: object = Field(None, description="ignored: the server trains the model it serves")
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -307,40 +326,54 @@ class Server:
         self.jobs = None
         self.engine: Engine | None = None
         self.started = time.time()
-        self.counts = {"http_requests": 0}
+        self.ready = threading.Event()  # the model is loaded and the job state is open
+        self.load_error: str | None = None
 
     def start(self) -> None:
-        from remat.serve.jobs import JobManager
         from remat.serve.scheduler import Scheduler
 
         self.scheduler = Scheduler(max_slowdown_ppm=self.max_slowdown_ppm)
-        self.state_dir.mkdir(parents=True, exist_ok=True)
-        self.jobs = JobManager(model=self.model_spec, state_dir=self.state_dir, scheduler=self.scheduler,
-                               memory_budget=self.memory_budget)
         self.engine = Engine(self.model_spec, parallel=self.parallel, n_ctx=self.n_ctx, scheduler=self.scheduler,
-                             adapters=self.jobs.adapters)
+                             adapters=self.adapters)
         threading.Thread(target=self._load, name="remat-load", daemon=True).start()
 
+    def adapters(self) -> list[dict]:
+        return self.jobs.adapters() if self.jobs is not None else []
+
     def _load(self) -> None:
+        """Load the model, then open the job state (its checks use the served model's tokenizer)."""
+        from remat.serve.jobs import JobManager
+
         try:
             self.engine.load()
+            self.state_dir.mkdir(parents=True, exist_ok=True)
+            self.jobs = JobManager(model=self.model_spec, state_dir=self.state_dir, scheduler=self.scheduler,
+                                   memory_budget=self.memory_budget, tokenizer=self.engine.tokenizer)
+            self.ready.set()
             log.info("model %s loaded (n_ctx %d)", self.engine.name, self.engine.n_ctx)
-        except Exception as e:  # noqa: BLE001 - reported by /health; the server decides to stop
-            log.error("cannot load the model: %s", self.engine.load_error or e)
+        except Exception as e:  # noqa: BLE001 - reported by /health; the command line stops the server
+            self.load_error = self.engine.load_error or f"{type(e).__name__}: {' '.join(str(e).split())[:300]}"
+            log.error("cannot start: %s", self.load_error)
             if self.on_load_error is not None:
-                self.on_load_error(self.engine.load_error or str(e))
+                self.on_load_error(self.load_error)
 
     def stop(self) -> None:
         if self.jobs is not None:
             self.jobs.close()
 
-    def ready_engine(self) -> Engine:
-        e = self.engine
-        if e is None or not e.ready.is_set():
-            if e is not None and e.load_error:
-                raise EngineError(500, f"the model failed to load: {e.load_error}", "server_error")
+    def check_ready(self) -> None:
+        if not self.ready.is_set():
+            if self.load_error:
+                raise EngineError(500, f"the server failed to start: {self.load_error}", "server_error")
             raise EngineError(503, "Loading model", "unavailable_error")
-        return e
+
+    def ready_engine(self) -> Engine:
+        self.check_ready()
+        return self.engine
+
+    def ready_jobs(self):
+        self.check_ready()
+        return self.jobs
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -382,7 +415,7 @@ def _usage(g: Generation) -> dict:
             "total_tokens": g.n_prompt + g.n_predicted}
 
 
-async def _pieces(request: Request, g: Generation):
+async def _pieces(g: Generation):
     """Run the generation in its own thread; yield ("piece", text) ... then ("end", None) or ("error", e).
 
     The client going away cancels the generation at the next token.
@@ -427,22 +460,27 @@ def _stream_error(e: BaseException) -> dict:
 # the app
 
 
-def create_app(*, model: str | None = "tiny-llama", parallel: int = 1, api_keys: list[str] | None = None,
+def create_app(*, model: str | None = None, parallel: int = 1, api_keys: list[str] | None = None,
                max_slowdown_ppm: int = 50_000, memory_budget: int | None = None,
                state_dir: str | Path = "remat-state", max_body: int = DEFAULT_MAX_BODY, n_ctx: int | None = None,
                on_load_error=None) -> FastAPI:
-    """The FastAPI app. The model loads in a background thread when the app starts (lifespan)."""
+    """The FastAPI app; the options are `remat serve`'s. `model`: a spec for `load_model` (None: the embedded
+    default). The model loads in a background thread when the app starts (lifespan): /health answers 503
+    until it is ready. `on_load_error(message)` is called if loading fails."""
     srv = Server(model=model, parallel=parallel, max_slowdown_ppm=max_slowdown_ppm, memory_budget=memory_budget,
                  state_dir=Path(state_dir), n_ctx=n_ctx, api_keys=list(api_keys or []), max_body=max_body,
                  on_load_error=on_load_error)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
+        # Requests waiting for a decode slot each hold a worker thread: allow many more than the 40 default.
+        anyio.to_thread.current_default_thread_limiter().total_tokens = max(64, 16 * parallel)
         srv.start()
         try:
             yield
         finally:
             await run_in_threadpool(srv.stop)
+            log.info("stopped")
 
     app = FastAPI(title="remat", version="0.1.0", lifespan=lifespan,
                   description="Serve a model and fine-tune it: llama.cpp's and OpenAI's API shapes.")
@@ -476,10 +514,7 @@ def create_app(*, model: str | None = "tiny-llama", parallel: int = 1, api_keys:
         return error_response(500, f"internal error: {type(exc).__name__}: {' '.join(str(exc).split())[:300]}",
                               "server_error")
 
-    def jobs():
-        if srv.jobs is None:
-            raise EngineError(503, "the server is starting", "unavailable_error")
-        return srv.jobs
+    jobs = srv.ready_jobs
 
     async def call_jobs(fn, *args):
         """Job manager calls in a worker thread; its JobError becomes the error body it describes."""
@@ -500,11 +535,10 @@ def create_app(*, model: str | None = "tiny-llama", parallel: int = 1, api_keys:
     @app.get("/health")
     @app.get("/v1/health", include_in_schema=False)
     async def health():
-        e = srv.engine
-        if e is not None and e.ready.is_set():
+        if srv.ready.is_set():
             return {"status": "ok"}
-        if e is not None and e.load_error:
-            return error_response(500, f"the model failed to load: {e.load_error}", "server_error")
+        if srv.load_error:
+            return error_response(500, f"the server failed to start: {srv.load_error}", "server_error")
         return error_response(503, "Loading model", "unavailable_error")
 
     @app.get("/props")
@@ -528,7 +562,7 @@ def create_app(*, model: str | None = "tiny-llama", parallel: int = 1, api_keys:
     async def models():
         e = srv.engine
         name = e.name if e is not None else (srv.model_spec or "default")
-        meta = {"n_ctx": e.n_ctx} if e is not None and e.ready.is_set() else {}
+        meta = {"n_ctx": e.n_ctx} if srv.ready.is_set() else {}
         return {"object": "list", "data": [{"id": name, "object": "model", "created": int(srv.started),
                                             "owned_by": "remat", "meta": meta}]}
 
@@ -542,7 +576,7 @@ def create_app(*, model: str | None = "tiny-llama", parallel: int = 1, api_keys:
     @app.post("/tokenize")
     async def tokenize(body: TokenizeRequest):
         e = srv.ready_engine()
-        ids = e.tokenize(body.content, body.add_special)
+        ids = await run_in_threadpool(e.tokenize, body.content, body.add_special)
         if body.with_pieces:
             return {"tokens": [{"id": t, "piece": e.tokenizer.decode([t])} for t in ids]}
         return {"tokens": ids}
@@ -550,15 +584,15 @@ def create_app(*, model: str | None = "tiny-llama", parallel: int = 1, api_keys:
     @app.post("/detokenize")
     async def detokenize(body: DetokenizeRequest):
         e = srv.ready_engine()
-        return {"content": e.detokenize(body.tokens)}
+        return {"content": await run_in_threadpool(e.detokenize, body.tokens)}
 
     @app.post("/completion")
     @app.post("/completions", include_in_schema=False)
-    async def completion(body: CompletionRequest, request: Request):
+    async def completion(body: CompletionRequest):
         e = srv.ready_engine()
         ids = await run_in_threadpool(e.prompt_ids, body.prompt)
         params = _params(body, body.n_predict, list(body.stop))
-        g = e.generate(ids, params)
+        g = await run_in_threadpool(e.generate, ids, params)
         prompt_text = body.prompt if isinstance(body.prompt, str) else e.tokenizer.decode(body.prompt)
 
         def final() -> dict:
@@ -578,7 +612,7 @@ def create_app(*, model: str | None = "tiny-llama", parallel: int = 1, api_keys:
             return final()
 
         async def events():
-            async for kind, val in _pieces(request, g):
+            async for kind, val in _pieces(g):
                 if kind == "piece":
                     yield _sse({"index": 0, "content": val, "tokens": [], "stop": False, "id_slot": 0})
                 elif kind == "end":
@@ -588,10 +622,10 @@ def create_app(*, model: str | None = "tiny-llama", parallel: int = 1, api_keys:
 
         return StreamingResponse(events(), media_type="text/event-stream", headers=SSE_HEADERS)
 
-    async def openai_generate(request: Request, body: OpenAIParams, ids: list[int], max_tokens: int | None,
+    async def openai_generate(body: OpenAIParams, ids: list[int], max_tokens: int | None,
                               chat: bool):
         e = srv.ready_engine()
-        g = e.generate(ids, _params(body, max_tokens, _stops(body.stop)))
+        g = await run_in_threadpool(e.generate, ids, _params(body, max_tokens, _stops(body.stop)))
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
         created = int(time.time())
         obj = "chat.completion" if chat else "text_completion"
@@ -622,7 +656,7 @@ def create_app(*, model: str | None = "tiny-llama", parallel: int = 1, api_keys:
         async def events():
             if chat:
                 yield _sse(chunk(None, None, first=True))
-            async for kind, val in _pieces(request, g):
+            async for kind, val in _pieces(g):
                 if kind == "piece":
                     yield _sse(chunk(val, None))
                 elif kind == "end":
@@ -638,14 +672,14 @@ def create_app(*, model: str | None = "tiny-llama", parallel: int = 1, api_keys:
         return StreamingResponse(events(), media_type="text/event-stream", headers=SSE_HEADERS)
 
     @app.post("/v1/completions")
-    async def v1_completions(body: CompletionsRequest, request: Request):
+    async def v1_completions(body: CompletionsRequest):
         e = srv.ready_engine()
         ids = await run_in_threadpool(e.prompt_ids, body.prompt)
-        return await openai_generate(request, body, ids, body.max_tokens, chat=False)
+        return await openai_generate(body, ids, body.max_tokens, chat=False)
 
     @app.post("/v1/chat/completions")
     @app.post("/chat/completions", include_in_schema=False)
-    async def v1_chat(body: ChatRequest, request: Request):
+    async def v1_chat(body: ChatRequest):
         e = srv.ready_engine()
         messages = []
         for m in body.messages:
@@ -656,7 +690,7 @@ def create_app(*, model: str | None = "tiny-llama", parallel: int = 1, api_keys:
         if not ids:
             raise EngineError(400, "the chat prompt is empty")
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-        return await openai_generate(request, body, ids, max_tokens, chat=True)
+        return await openai_generate(body, ids, max_tokens, chat=True)
 
     # -- adapters ---------------------------------------------------------------------------------------
 
@@ -672,7 +706,8 @@ def create_app(*, model: str | None = "tiny-llama", parallel: int = 1, api_keys:
 
     @app.post("/train", status_code=202)
     async def train(body: TrainRequest):
-        return JSONResponse(await call_jobs(jobs().submit, body.model_dump()), status_code=202)
+        return JSONResponse(await call_jobs(jobs().submit, body.model_dump(exclude_unset=True)),
+                            status_code=202)
 
     @app.get("/train")
     async def train_list():
@@ -748,7 +783,7 @@ def _metrics_text(srv: Server) -> str:
         if not any(line.startswith(f"# TYPE remat_{name} ") for line in out):
             out.append(f"# HELP remat_{name} {help}")
             out.append(f"# TYPE remat_{name} {kind}")
-        out.append(f"remat_{name}{labels} {float(value):g}" if isinstance(value, float) else
+        out.append(f"remat_{name}{labels} {value!r}" if isinstance(value, float) else
                    f"remat_{name}{labels} {int(value)}")
 
     e = srv.engine
@@ -796,16 +831,16 @@ def _metrics_text(srv: Server) -> str:
         metric("training_steps_total", "counter", "Optimizer steps taken by all training jobs.", steps)
         current = next((j for j in job_list if j.get("status") == "running"), None)
         if current is None and job_list:
-            current = max(job_list, key=lambda j: j.get("created_at") or 0)
+            current = job_list[-1]  # the newest
         if current is not None:
             losses = current.get("losses") or []
             last_loss = current.get("loss", losses[-1] if losses else None)
             metric("training_last_loss", "gauge", "Loss of the last step of the running (or last) job.",
                    _num(last_loss))
             plan = current.get("plan") or {}
-            planned = plan.get("total", plan.get("peak")) if isinstance(plan, dict) else None
-            metric("training_planned_bytes", "gauge", "Planned peak memory of the running (or last) job.",
-                   _num(planned))
+            for k in ("total", "graph"):
+                metric("training_planned_bytes", "gauge", "Planned memory of the running (or last) job.",
+                       _num(plan.get(k)) if isinstance(plan, dict) else None, f'{{kind="{k}"}}')
             measured = current.get("measured") or {}
             if isinstance(measured, dict):
                 for k, v in measured.items():
@@ -816,7 +851,7 @@ def _metrics_text(srv: Server) -> str:
 
 
 def _num(v):
-    return float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else None
+    return v if isinstance(v, (int, float)) and not isinstance(v, bool) else None
 
 
 def _job_steps(job: dict) -> int:
@@ -829,47 +864,6 @@ def _job_steps(job: dict) -> int:
 
 # ---------------------------------------------------------------------------------------------------------
 # command line
-
-
-def _int_at_least(minimum: int):
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"'{text}' is not an integer") from None
-        if value < minimum:
-            raise argparse.ArgumentTypeError(f"must be at least {minimum}, got {value}")
-        return value
-
-    return parse
-
-
-def _bytes(text: str) -> int:
-    from remat.plan import parse_bytes
-
-    try:
-        return parse_bytes(text)
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
-
-
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", help="GGUF file, HF safetensors folder, or preset (default: embedded SmolLM2-135M)")
-    p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
-    p.add_argument("--port", type=_int_at_least(0), default=8080, help="port (default 8080)")
-    p.add_argument("--api-key", action="append", default=[], metavar="KEY",
-                   help="require this key (Authorization: Bearer KEY or X-Api-Key); repeatable")
-    p.add_argument("--parallel", "-np", type=_int_at_least(1), default=1,
-                   help="requests that decode at once; more wait (default 1)")
-    p.add_argument("--ctx", type=_int_at_least(1), help="context size for serving (default: the model's maximum)")
-    p.add_argument("--max-slowdown-ppm", type=_int_at_least(0), default=50_000,
-                   help="how much training may slow decoding, in parts per million (default 50000 = 5%%)")
-    p.add_argument("--memory-budget", type=_bytes, help="memory for training jobs, e.g. 2GiB (default: free memory)")
-    p.add_argument("--state-dir", default="remat-state",
-                   help="folder for jobs, their events and adapters (default ./remat-state)")
-    p.add_argument("--max-body", type=_int_at_least(1), default=DEFAULT_MAX_BODY,
-                   help=f"largest request body in bytes (default {DEFAULT_MAX_BODY})")
-    p.add_argument("--threads", type=_int_at_least(1), help="torch CPU threads (default: torch's choice)")
 
 
 def main(args: argparse.Namespace) -> int:
@@ -891,7 +885,9 @@ def main(args: argparse.Namespace) -> int:
         import torch
 
         torch.set_num_threads(args.threads)
-    logging.basicConfig(level=logging.INFO, format="remat serve: %(message)s", stream=sys.stderr)
+    warnings.filterwarnings("ignore", category=FutureWarning)  # library deprecation chatter, not for users
+    logging.basicConfig(level=logging.WARNING, format="remat serve: %(message)s", stream=sys.stderr)
+    log.setLevel(logging.INFO)  # our own lines; libraries' INFO chatter (gguf writer) stays out
     failed: list[str] = []
     server_box: list[uvicorn.Server] = []
 
@@ -917,6 +913,6 @@ def main(args: argparse.Namespace) -> int:
 
 
 if __name__ == "__main__":
-    _p = argparse.ArgumentParser(prog="remat serve", description="Serve a model and fine-tune it over HTTP.")
-    add_arguments(_p)
-    sys.exit(main(_p.parse_args()))
+    from remat.cli import main as cli_main
+
+    sys.exit(cli_main(["serve", *sys.argv[1:]]))

@@ -136,6 +136,49 @@ class _Slots:
 # the engine
 
 
+def _overlap(text: str, stop: str, limit: int) -> int:
+    """The length of the longest tail of `text` (at most `limit`) that `stop` starts with, shorter than it."""
+    for k in range(min(len(stop) - 1, limit), 0, -1):
+        if text.endswith(stop[:k]):
+            return k
+    return 0
+
+
+class _Detokenizer:
+    """Generated tokens to text, incrementally: decodes a short window, not everything, per token.
+
+    Text is only added at a clean boundary (no unfinished UTF-8 character at the end), and the window
+    starts a few tokens back, so tokenizers that drop a word's leading space at the start of a text
+    (SentencePiece) keep it. `flush()` adds whatever is left at the end.
+    """
+
+    def __init__(self, tokenizer, prompt_ids: list[int]):
+        self.tokenizer = tokenizer
+        self.ids = list(prompt_ids[-4:])
+        self.prefix = 0  # window start
+        self.read = len(self.ids)  # tokens before this are in `text`
+        self.text = ""
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+    def add(self, token: int) -> str:
+        self.ids.append(token)
+        before = self._decode(self.ids[self.prefix:self.read])
+        after = self._decode(self.ids[self.prefix:])
+        if len(after) > len(before) and not after.endswith("\ufffd"):
+            self.text += after[len(before):]
+            self.prefix, self.read = self.read, len(self.ids)
+        return self.text
+
+    def flush(self) -> str:
+        if self.read < len(self.ids):
+            before = self._decode(self.ids[self.prefix:self.read])
+            self.text += self._decode(self.ids[self.prefix:])[len(before):]
+            self.prefix = self.read = len(self.ids)
+        return self.text
+
+
 class Generation:
     """One request's decoding. Iterate it for text pieces; afterwards the fields hold the result."""
 
@@ -309,11 +352,13 @@ class Engine:
         if not (Path(path) / "adapter_config.json").is_file():
             raise EngineError(400, f"adapter {adapter_id} cannot be loaded: '{path}' has no adapter_config.json")
         try:
+            # low_cpu_mem_usage: the LoRA layers are made empty and filled from the file, with no random
+            # init, so loading never draws from the global RNG a training job may be using.
             if self._peft is None:
                 self._peft = peft.PeftModel.from_pretrained(self.model, path, adapter_name=name,
-                                                            is_trainable=False)
+                                                            is_trainable=False, low_cpu_mem_usage=True)
             else:
-                self._peft.load_adapter(path, adapter_name=name, is_trainable=False)
+                self._peft.load_adapter(path, adapter_name=name, is_trainable=False, low_cpu_mem_usage=True)
         except EngineError:
             raise
         except Exception as e:  # noqa: BLE001 - PEFT raises many kinds; all mean it does not fit
@@ -334,7 +379,10 @@ class Engine:
             tuner.disable_adapter_layers()
             return
         names = [self._loaded[i][0] for i, _, _ in key]
-        tuner.set_adapter(names, inference_mode=True)
+        try:
+            tuner.set_adapter(names, inference_mode=True)
+        except TypeError:  # PEFT before inference_mode existed
+            tuner.set_adapter(names)
         tuner.enable_adapter_layers()
         for module in self.model.modules():
             if isinstance(module, LoraLayer):
@@ -388,10 +436,7 @@ class Engine:
         gen = torch.Generator().manual_seed(g.seed)
         stops = [s for s in p.stop if s]
         longest_stop = max((len(s) for s in stops), default=0)
-        # Decode the new tokens after a few prompt tokens, so tokenizers that drop a word's leading
-        # space at the start of a text (SentencePiece) keep it.
-        ctx_ids = g.prompt_ids[-4:]
-        ctx_text = self.tokenizer.decode(ctx_ids, skip_special_tokens=True)
+        text_of = _Detokenizer(self.tokenizer, g.prompt_ids)
         sched = self.scheduler
         emitted = 0  # characters of text already handed out
         searched = 0  # where the stop-string search resumes
@@ -415,9 +460,7 @@ class Engine:
                     g.stop_type = "eos"
                     break
                 g.tokens.append(token)
-                full = self.tokenizer.decode(ctx_ids + g.tokens, skip_special_tokens=True)
-                text = full[len(ctx_text):] if full.startswith(ctx_text) else \
-                    self.tokenizer.decode(g.tokens, skip_special_tokens=True)
+                text = text_of.add(token)
                 if stops:
                     found = [(text.find(s, max(0, searched - longest_stop)), s) for s in stops]
                     found = [(i, s) for i, s in found if i >= 0]
@@ -429,15 +472,8 @@ class Engine:
                 if len(g.tokens) >= budget:
                     g.stop_type = "limit"
                     break
-                # Hold back an incomplete UTF-8 character and any tail that may begin a stop string.
-                safe = len(text)
-                while safe > emitted and text[safe - 1] == "\ufffd":
-                    safe -= 1
-                for s in stops:
-                    for k in range(min(len(s) - 1, safe - emitted), 0, -1):
-                        if text[safe - k:safe] == s[:k]:
-                            safe -= k
-                            break
+                # Hold back a tail that may be the start of a stop string.
+                safe = len(text) - max((_overlap(text, s, len(text) - emitted) for s in stops), default=0)
                 if safe > emitted:
                     piece, emitted = text[emitted:safe], safe
                     g.content = text[:emitted]
@@ -445,6 +481,8 @@ class Engine:
                 logits, cache = self._forward([token], cache)
             if g.stop_type == "none":  # cancelled: what was handed out is the content
                 return
+            if g.stop_type != "word":
+                text = text_of.flush()  # an unfinished UTF-8 character at the end, as it is
             g.content = text
             if len(text) > emitted:
                 yield text[emitted:]

@@ -18,6 +18,7 @@ A server killed mid-job finds the job "running" at the next start and marks it f
 from __future__ import annotations
 
 import collections
+import contextlib
 import json
 import logging
 import math
@@ -27,6 +28,7 @@ import shutil
 import sqlite3
 import threading
 import time
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -73,6 +75,7 @@ CREATE TABLE IF NOT EXISTS events (
     seq INTEGER NOT NULL,
     event TEXT NOT NULL,
     data TEXT NOT NULL,
+    created REAL NOT NULL,
     PRIMARY KEY (job_id, seq)
 );
 """
@@ -96,6 +99,19 @@ def _invalid(name: str, message: str) -> JobError:
     return JobError(400, f"invalid_{name}", message, extra={"param": name})
 
 
+def _dumps(value: object) -> str:
+    """JSON with NaN and infinities (a diverging loss) as null, so every client can parse it."""
+    def safe(x: object) -> object:
+        if isinstance(x, float) and not math.isfinite(x):
+            return None
+        if isinstance(x, dict):
+            return {k: safe(v) for k, v in x.items()}
+        if isinstance(x, (list, tuple)):
+            return [safe(v) for v in x]
+        return x
+    return json.dumps(safe(value))
+
+
 def _one_line(e: BaseException) -> str:
     text = " ".join(str(e).split())
     return text[:500] or type(e).__name__
@@ -110,6 +126,7 @@ class _Run:
     losses: list[float]
     windows: list[float] = field(default_factory=list)
     cancel: threading.Event = field(default_factory=threading.Event)
+    yielding: bool = False  # waiting in the scheduler for decoding to allow the next chunk
 
 
 class JobManager:
@@ -128,6 +145,7 @@ class JobManager:
         self._lock = threading.RLock()  # the database and the fields below
         self._changed = threading.Condition(self._lock)  # a new event, a queued job, closing
         self._torch = threading.Lock()  # planning and training never trace or touch the RNG at once
+        self._planners = 0  # submits waiting for self._torch: the trainer lets them go first
         self._queue: collections.deque[str] = collections.deque()
         self._run: _Run | None = None
         self._closing = False
@@ -144,6 +162,7 @@ class JobManager:
 
     def submit(self, req: dict) -> dict:
         """Validate, plan and gate a job, then queue it; raises JobError (400, 422) when it cannot run."""
+        self._check_open()
         s, records, name = self._validate(req)
         steps = self._check_data(s, records)
         plans = self._plan(s)
@@ -161,8 +180,8 @@ class JobManager:
             self._db.execute(
                 "INSERT INTO jobs (id, name, status, settings, data, plan, progress, created) "
                 "VALUES (?, ?, 'queued', ?, ?, ?, ?, ?)",
-                (job_id, name, json.dumps(settings), json.dumps(records), json.dumps(plan),
-                 json.dumps({"steps": steps} if steps else {}), time.time()))
+                (job_id, name, _dumps(settings), _dumps(records), _dumps(plan),
+                 _dumps({"steps": steps} if steps else {}), time.time()))
             self._event(job_id, "queued", {"position": len(self._queue) + (self._run is not None)})
             self._queue.append(job_id)
             self._changed.notify_all()
@@ -210,6 +229,7 @@ class JobManager:
             "output": result.get("output"),
             "result": result or None,
             "cancel_requested": bool(run and run.cancel.is_set()),
+            "yielding": bool(run and run.yielding),
             "resumable": row["status"] in ("failed", "cancelled"),
             "checkpoint_step": self._checkpoint_step(job_id),
             "created": row["created"],
@@ -236,12 +256,13 @@ class JobManager:
         return self.get(job_id)
 
     def events_since(self, job_id: str, after: int = 0) -> list[dict]:
-        """The job's events with id > `after`, oldest first: {"id", "event", "data"}."""
+        """The job's events with id > `after`, oldest first: {"id", "event", "data", "created"}."""
         with self._lock:
             self._row(job_id)
-            rows = self._db.execute("SELECT seq, event, data FROM events WHERE job_id = ? AND seq > ? "
+            rows = self._db.execute("SELECT seq, event, data, created FROM events WHERE job_id = ? AND seq > ? "
                                     "ORDER BY seq", (job_id, after)).fetchall()
-        return [{"id": r["seq"], "event": r["event"], "data": json.loads(r["data"])} for r in rows]
+        return [{"id": r["seq"], "event": r["event"], "data": json.loads(r["data"]), "created": r["created"]}
+                for r in rows]
 
     def wait_events(self, job_id: str, after: int = 0, timeout: float = 15.0) -> list[dict]:
         """Like events_since, but waits up to `timeout` seconds for one; returns [] at once when the job
@@ -259,6 +280,7 @@ class JobManager:
 
     def resume(self, job_id: str) -> dict:
         """Requeue a failed or cancelled job; it continues from its last checkpoint (or starts over)."""
+        self._check_open()
         with self._lock:
             row = self._row(job_id)
             if row["status"] not in ("failed", "cancelled"):
@@ -275,7 +297,7 @@ class JobManager:
                                extra={"plans": plan["plans"], "budget": budget}) from None
             plan["budget"] = budget
             self._db.execute("UPDATE jobs SET status = 'queued', reason = NULL, finished = NULL, plan = ? "
-                             "WHERE id = ?", (json.dumps(plan), job_id))
+                             "WHERE id = ?", (_dumps(plan), job_id))
             self._event(job_id, "queued", {"resumed_from_step": self._checkpoint_step(job_id)})
             self._queue.append(job_id)
             self._changed.notify_all()
@@ -304,7 +326,7 @@ class JobManager:
                     raise JobError(400, "invalid_adapter_id", f"no adapter with id {item['id']}",
                                    extra={"param": "id"})
                 new[item["id"]] = float(scale)
-            with self._db:
+            with self._transaction():
                 self._db.executemany("UPDATE adapters SET scale = ? WHERE id = ?",
                                      [(v, k) for k, v in new.items()])
         return self.adapters()
@@ -320,6 +342,10 @@ class JobManager:
             self._db.close()
 
     # ------------------------------------------------------------------------------------------ checks
+
+    def _check_open(self) -> None:
+        if self._closing:
+            raise JobError(503, "shutting_down", "the server is shutting down", type="unavailable_error")
 
     def _model_config(self):
         if self._config is None:
@@ -375,7 +401,8 @@ class JobManager:
             raise _invalid("lr", f"lr must be a positive number, got {lr!r}")
 
         recompute = req.get("recompute", "auto")
-        recompute = {True: "on", False: "off"}.get(recompute, recompute) if isinstance(recompute, bool) else recompute
+        if isinstance(recompute, bool):
+            recompute = "on" if recompute else "off"
         if recompute not in ("on", "off", "auto"):
             raise _invalid("recompute", f"recompute must be true, false or \"auto\", got {req['recompute']!r}")
 
@@ -447,7 +474,7 @@ class JobManager:
         if key in self._plans:
             return self._plans[key]
         config = self._model_config()
-        with self._torch:
+        with self._planning():
             try:
                 with EagerStridesFakeMode(allow_non_fake_inputs=True):
                     model = models.build_from_config(config, seed=s.seed)
@@ -465,6 +492,21 @@ class JobManager:
                                type="server_error") from None
         self._plans[key] = plans
         return plans
+
+    @contextlib.contextmanager
+    def _planning(self) -> Iterator[None]:
+        """Hold the torch lock for a plan; the trainer sees a waiting planner and lets it go first."""
+        with self._lock:
+            self._planners += 1
+        try:
+            self._torch.acquire()
+        finally:
+            with self._lock:
+                self._planners -= 1
+        try:
+            yield
+        finally:
+            self._torch.release()
 
     # ------------------------------------------------------------------------------------------ worker
 
@@ -521,6 +563,11 @@ class JobManager:
         def cancelled() -> bool:
             return run.cancel.is_set() or self._closing
 
+        def wait_for_planners() -> None:
+            # the lock is not fair: without this a submit could wait behind every chunk of a long job
+            while self._planners and not cancelled():
+                time.sleep(0.005)
+
         def before_chunk() -> None:
             # A chunk lasts from one call to the next: all the trainer does in between holds the device.
             nonlocal held, opened
@@ -528,7 +575,12 @@ class JobManager:
             if held:
                 self._torch.release()
                 held = False
-            self.scheduler.before_chunk(cancelled)
+            wait_for_planners()
+            run.yielding = True
+            try:
+                self.scheduler.before_chunk(cancelled)
+            finally:
+                run.yielding = False
             self._torch.acquire()
             held = True
             opened = time.monotonic()
@@ -538,9 +590,10 @@ class JobManager:
             progress = {"epoch": event["epoch"], "step": event["step"], "steps": event["steps"],
                         "losses": run.losses, **self._timings(run)}
             with self._lock:
-                self._db.execute("UPDATE jobs SET progress = ? WHERE id = ?", (json.dumps(progress), job_id))
+                self._db.execute("UPDATE jobs SET progress = ? WHERE id = ?", (_dumps(progress), job_id))
                 self._event(job_id, "step", {k: event[k] for k in ("epoch", "step", "steps", "loss")})
 
+        wait_for_planners()
         self._torch.acquire()
         held = True
         try:
@@ -566,13 +619,13 @@ class JobManager:
                 self._torch.release()
         result = {k: v for k, v in receipt.items() if k not in ("chunk_seconds", "checkpoints", "outputs")}
         result["output"] = str(output)
-        with self._lock:
+        shutil.rmtree(out, ignore_errors=True)  # its checkpoints are not needed any more
+        with self._lock, self._transaction():  # the adapter and the job's success are recorded together
             if s.lora:
                 next_id = self._db.execute("SELECT COALESCE(MAX(id), -1) + 1 FROM adapters").fetchone()[0]
                 self._db.execute("INSERT INTO adapters (id, job_id, name, path, scale) VALUES (?, ?, ?, ?, 0)",
                                  (next_id, job_id, self._row(job_id)["name"] or job_id, str(output)))
             self._end(run, "succeeded", None, result)
-        shutil.rmtree(out, ignore_errors=True)  # its checkpoints are not needed any more
 
     def _publish(self, job_id: str, s: train.Settings, files: list[str]) -> Path:
         """Move the trained files into adapters/<id> (or models/<id>) in one rename: whole or absent."""
@@ -600,7 +653,7 @@ class JobManager:
     def _end(self, run: _Run, status: str, reason: str | None, result: dict | None = None) -> None:
         with self._lock:
             progress = {**json.loads(self._row(run.job_id)["progress"]), "losses": run.losses, **self._timings(run)}
-            self._db.execute("UPDATE jobs SET progress = ? WHERE id = ?", (json.dumps(progress), run.job_id))
+            self._db.execute("UPDATE jobs SET progress = ? WHERE id = ?", (_dumps(progress), run.job_id))
             self._finish(run.job_id, status, reason, result)
 
     # ------------------------------------------------------------------------------------------ state
@@ -611,6 +664,17 @@ class JobManager:
             for r in self._db.execute("SELECT id FROM jobs WHERE status IN ('queued', 'running') "
                                       "ORDER BY seq").fetchall():
                 self._finish(r["id"], "failed", INTERRUPTED)
+
+    @contextlib.contextmanager
+    def _transaction(self) -> Iterator[None]:
+        # caller holds self._lock; the connection is in autocommit mode otherwise
+        self._db.execute("BEGIN IMMEDIATE")
+        try:
+            yield
+        except BaseException:
+            self._db.execute("ROLLBACK")
+            raise
+        self._db.execute("COMMIT")
 
     def _row(self, job_id: str) -> sqlite3.Row:
         row = self._db.execute("SELECT * FROM jobs WHERE id = ?", (str(job_id),)).fetchone()
@@ -631,7 +695,7 @@ class JobManager:
     def _finish(self, job_id: str, status: str, reason: str | None, result: dict | None = None) -> None:
         # caller holds self._lock
         self._db.execute("UPDATE jobs SET status = ?, reason = ?, finished = ?, result = COALESCE(?, result) "
-                         "WHERE id = ?", (status, reason, time.time(), json.dumps(result) if result else None,
+                         "WHERE id = ?", (status, reason, time.time(), _dumps(result) if result else None,
                                           job_id))
         data = {"reason": reason} if reason else {}
         if result:
@@ -642,6 +706,6 @@ class JobManager:
         # caller holds self._lock
         seq = self._db.execute("SELECT COALESCE(MAX(seq), 0) + 1 FROM events WHERE job_id = ?",
                                (job_id,)).fetchone()[0]
-        self._db.execute("INSERT INTO events (job_id, seq, event, data) VALUES (?, ?, ?, ?)",
-                         (job_id, seq, event, json.dumps(data)))
+        self._db.execute("INSERT INTO events (job_id, seq, event, data, created) VALUES (?, ?, ?, ?, ?)",
+                         (job_id, seq, event, _dumps(data), time.time()))
         self._changed.notify_all()

@@ -3,7 +3,9 @@
 Training runs in chunks (one graph run each, with whatever the trainer does until the next chunk).
 Before each chunk the trainer calls `before_chunk`, which reads the serving view and decides:
 
-- no slot is decoding: the chunk runs at once; training then slows nobody.
+- no slot is decoding: the chunk runs at once; training then slows nobody. (One exception: when
+  training is in debt, see below, it waits until decoding has paused for as long as a chunk takes, so
+  a trainer cannot slip chunk after chunk into the short gaps between requests of a busy server.)
 - a slot is decoding: the chunk competes with it for the device, so it runs only if the slowdown
   budget allows. Decoding slows only while a chunk runs during busy decoding ("overlap"); the budget
   is that overlap may be at most `max_slowdown_ppm / 1e6` of the decode-busy time:
@@ -11,13 +13,12 @@ Before each chunk the trainer calls `before_chunk`, which reads the serving view
       (overlap so far + expected chunk seconds) / decode-busy seconds so far <= max_slowdown_ppm / 1e6
 
   The expected chunk is the p50 of the job's recent chunks. Written as a credit (a token bucket), the
-  rule is `credit >= expected`, where credit = bound x busy seconds - overlap seconds. Two refinements
-  keep it from misbehaving over a long server life:
+  rule is `credit >= expected`, where credit = bound x busy seconds - overlap seconds. Refinements:
   * the credit is capped at `bound x window_s` (10 s of decoding by default), so an hour of decoding
     with no training does not bank minutes of uninterrupted training for the next job;
-  * a chunk of unknown length (a new job's first) or longer than the cap waits until the bucket is
-    full; the overlap it then causes is still charged, so credit may go negative and the trainer waits
-    until decoding has paid it back. Over any run, overlap <= bound x busy + cap + one chunk.
+  * a chunk of unknown length (a new job's first) or longer than the cap waits for a full bucket;
+  * all overlap is charged, also that of a chunk started while idle that a new request ran into, so
+    credit may go negative: that debt is paid back by decoding time before training overlaps again.
   Otherwise the trainer sleeps 5 ms and looks again (re-checking for cancellation each time).
 
 Overlap is counted exactly: a chunk's overlap is the decode-busy time that passed while it ran, so a
@@ -145,7 +146,9 @@ class Scheduler:
                 raise Cancelled()
             with self._lock:
                 now = time.monotonic()
-                if self._slots == 0 or (self._bound > 0 and self._credit_at(now) >= self._need()):
+                credit, need = self._credit_at(now), self._need()
+                idle = 0.0 if self._slots else now - self._last_end
+                if (self._slots == 0 and (credit >= 0 or idle >= need)) or (self._bound > 0 and credit >= need):
                     self._t.waited += now - start
                     self._chunk_start, self._chunk_busy = now, self._busy_at(now)
                     return

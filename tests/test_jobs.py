@@ -1,0 +1,273 @@
+"""Training jobs end to end: real worker thread, real SQLite file, real training of tiny-llama."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from remat.serve.jobs import JobError, JobManager
+from remat.serve.scheduler import Scheduler
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+RECORDS = [{"text": f"Record {i}: the quick brown fox jumps over the lazy dog. " * 3} for i in range(4)]
+SMALL = {"data": RECORDS, "ctx": 32, "batch": 1}  # ~22 windows of 32 tokens: 22 steps per epoch
+LONG = {**SMALL, "epochs": 50, "steps": 1000}
+TERMINAL = ("succeeded", "failed", "cancelled")
+
+
+def new_manager(state_dir: Path, **kw) -> JobManager:
+    return JobManager(model="tiny-llama", state_dir=state_dir, scheduler=kw.pop("scheduler", Scheduler()), **kw)
+
+
+def wait_for(m: JobManager, job_id: str, event: str, timeout: float = 60, after: int = 0) -> list[dict]:
+    """The events after `after` up to and including the first `event` (or a terminal one), in order."""
+    seen: list[dict] = []
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        for e in m.wait_events(job_id, seen[-1]["id"] if seen else after, timeout=1.0):
+            seen.append(e)
+            if e["event"] in (event, *TERMINAL):
+                return seen
+    raise AssertionError(f"no {event!r} event for {job_id} in {timeout} s: {[e['event'] for e in seen]}")
+
+
+@pytest.fixture
+def manager(tmp_path):
+    m = new_manager(tmp_path)
+    yield m
+    m.close()
+
+
+def test_job_trains_and_publishes_its_adapter(manager, tmp_path):
+    r = manager.submit({**SMALL, "steps": 3, "name": "fox"})
+    assert r["status"] == "queued" and r["steps"] == 3
+    assert r["recompute"] is False and "not needed" in r["recompute_reason"]
+    assert r["plan"] == r["plans"]["off"] and r["plans"]["on"]["graph"] < r["plans"]["off"]["graph"]
+
+    events = wait_for(manager, r["id"], "succeeded")
+    assert [e["event"] for e in events] == ["queued", "started", "step", "step", "step", "succeeded"]
+    assert [e["id"] for e in events] == [1, 2, 3, 4, 5, 6]
+    assert [e["data"]["step"] for e in events if e["event"] == "step"] == [1, 2, 3]
+    assert manager.events_since(r["id"], after=4) == events[4:]  # replay after Last-Event-ID 4
+    assert manager.wait_events(r["id"], after=6, timeout=30) == []  # finished: returns at once
+
+    job = manager.get(r["id"])
+    assert (job["status"], job["reason"], job["name"], job["step"], job["steps"]) == ("succeeded", None, "fox", 3, 3)
+    assert len(job["losses"]) == 3 and job["finished"] >= job["created"]
+    assert job["plan"] == job["result"]["plan"]  # the plan at submit is the plan of the graph that ran
+    assert job["chunks"] == 3 and 0 < job["window_p50"] <= job["window_p95"]
+    assert job["slowdown_ppm"] == 0 and job["measured"]["graph"] > 0
+    assert job["settings"]["ctx"] == 32 and job["settings"]["lora"] is True
+
+    [adapter] = manager.adapters()
+    assert adapter == {"id": 0, "name": "fox", "path": job["adapter"]["path"], "scale": 0.0, "job_id": r["id"]}
+    files = {p.name for p in Path(adapter["path"]).iterdir()}
+    assert {"adapter_config.json", "adapter_model.safetensors", "adapter.gguf"} <= files
+    assert not (tmp_path / "jobs" / r["id"]).exists()  # checkpoints are cleaned up
+    assert [p.name for p in (tmp_path / "adapters").iterdir()] == [r["id"]]  # no temp folder left
+
+    assert manager.set_scales([{"id": 0, "scale": 0.5}])[0]["scale"] == 0.5
+    assert manager.set_scales([])[0]["scale"] == 0.0  # not listed: back to 0, as llama.cpp does
+    with pytest.raises(JobError) as e:
+        manager.set_scales([{"id": 7, "scale": 1.0}])
+    assert e.value.status == 400 and e.value.code == "invalid_adapter_id"
+    assert [j["id"] for j in manager.list()] == [r["id"]]
+
+
+def test_jobs_run_one_at_a_time_in_order(manager):
+    a = manager.submit({**SMALL, "steps": 3})
+    b = manager.submit({**SMALL, "steps": 2, "path": "walk", "ubatch": 16})
+    b_events = wait_for(manager, b["id"], "succeeded")
+    a_events = manager.events_since(a["id"])
+    assert a_events[-1]["event"] == "succeeded" and b_events[-1]["event"] == "succeeded"
+    b_started = next(e for e in b_events if e["event"] == "started")
+    assert b_started["created"] >= a_events[-1]["created"]  # b waited for a to finish
+    assert b_events[0]["data"]["position"] == 1
+    assert [j["id"] for j in manager.list()] == [a["id"], b["id"]]
+    assert manager.get(b["id"])["chunks"] == 4  # walk: two chunks of 16 tokens per step
+    assert [x["id"] for x in manager.adapters()] == [0, 1]
+
+
+def test_cancel_running_job_then_409(manager):
+    r = manager.submit(LONG)
+    wait_for(manager, r["id"], "step")
+    job = manager.cancel(r["id"])
+    assert job["status"] == "cancelled" and job["reason"] == "cancelled by request"
+    assert 1 <= job["step"] < 1000
+    assert manager.events_since(r["id"])[-1]["event"] == "cancelled"
+    with pytest.raises(JobError) as e:
+        manager.cancel(r["id"])
+    assert (e.value.status, e.value.code) == (409, "job_finished")
+    assert manager.adapters() == []
+
+
+def test_cancel_while_yielding_and_while_queued(tmp_path):
+    scheduler = Scheduler(0)  # training never overlaps decoding
+    m = new_manager(tmp_path, scheduler=scheduler)
+    try:
+        scheduler.decode_begin()  # a request is decoding for as long as this test runs
+        a = m.submit({**SMALL, "steps": 3})
+        b = m.submit({**SMALL, "steps": 3})
+        wait_for(m, a["id"], "started")
+        assert m.cancel(b["id"], wait=0)["status"] == "cancelled"  # queued: cancelled at once
+        deadline = time.monotonic() + 30
+        while not m.get(a["id"])["yielding"]:  # loaded, traced, and now held back by the scheduler
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        time.sleep(0.1)
+        assert m.get(a["id"])["yielding"] and m.get(a["id"])["step"] == 0
+        start = time.monotonic()
+        assert m.cancel(a["id"], wait=5)["status"] == "cancelled"
+        assert time.monotonic() - start < 1.0
+        assert [e["event"] for e in m.events_since(b["id"])] == ["queued", "cancelled"]
+    finally:
+        scheduler.decode_end()
+        m.close()
+
+
+def test_unknown_job_is_404(manager):
+    for call in (manager.get, manager.cancel, manager.events_since, manager.resume):
+        with pytest.raises(JobError) as e:
+            call("job-nope")
+        assert (e.value.status, e.value.code, e.value.type) == (404, "not_found", "not_found_error")
+
+
+@pytest.mark.parametrize("change, code", [
+    ({"data": []}, "invalid_data"),
+    ({"data": [{"txt": "hello"}]}, "invalid_data"),
+    ({"data": "hello"}, "invalid_data"),
+    ({"data": None}, "invalid_data"),
+    ({"data": [{"text": "too short for four windows"}], "batch": 4}, "invalid_data"),
+    ({"ctx": 4096}, "invalid_ctx"),
+    ({"ctx": 0}, "invalid_ctx"),
+    ({"epochs": -1}, "invalid_epochs"),
+    ({"epochs": "2"}, "invalid_epochs"),
+    ({"batch": True}, "invalid_batch"),
+    ({"lr": 0}, "invalid_lr"),
+    ({"recompute": "sometimes"}, "invalid_recompute"),
+    ({"path": "zigzag"}, "invalid_path"),
+    ({"path": "walk", "ubatch": 12}, "invalid_ubatch"),
+    ({"steps": 0}, "invalid_steps"),
+    ({"name": "x" * 65}, "invalid_name"),
+    ({"lora": {"r": 0}}, "invalid_lora"),
+    ({"lora": {"rank": 8}}, "invalid_lora"),
+    ({"lora": {"targets": ["no_such_layer"]}}, "invalid_lora"),
+    ({"accumulate": 100}, "invalid_accumulate"),
+    ({"epoch": 2}, "unknown_field"),
+])
+def test_bad_input_is_400_naming_the_field(manager, change, code):
+    with pytest.raises(JobError) as e:
+        manager.submit({**SMALL, **change})
+    assert (e.value.status, e.value.code) == (400, code)
+    assert e.value.body()["error"]["code"] == code and "\n" not in e.value.message
+    if code == "invalid_ctx" and change["ctx"] > 2048:
+        assert "2048" in e.value.message
+    assert manager.list() == []  # nothing was queued
+
+
+def test_insufficient_memory_is_422_with_both_plans(tmp_path):
+    m = new_manager(tmp_path, memory_budget=100_000)
+    try:
+        with pytest.raises(JobError) as e:
+            m.submit(SMALL)
+        err = e.value
+        assert (err.status, err.code, err.type) == (422, "insufficient_memory", "insufficient_memory")
+        assert err.extra["budget"] == 100_000
+        assert set(err.extra["plans"]) == {"off", "on"}
+        assert all(p["total"] > 100_000 for p in err.extra["plans"].values())
+        assert m.list() == []
+
+        plans = err.extra["plans"]
+        m.memory_budget = (plans["on"]["total"] + plans["off"]["total"]) // 2  # fits with recompute only
+        r = m.submit({**SMALL, "steps": 1})
+        assert r["recompute"] is True and "exceeds" in r["recompute_reason"] and r["plan"] == plans["on"]
+        with pytest.raises(JobError) as e:
+            m.submit({**SMALL, "recompute": False})
+        assert e.value.status == 422
+        assert wait_for(m, r["id"], "succeeded")[-1]["event"] == "succeeded"
+        assert m.get(r["id"])["result"]["recompute"] is True  # what ran is what was planned
+    finally:
+        m.close()
+
+
+def test_close_interrupts_the_running_job(tmp_path):
+    m = new_manager(tmp_path)
+    r = m.submit(LONG)
+    wait_for(m, r["id"], "step")
+    m.close()
+    m = new_manager(tmp_path)
+    try:
+        job = m.get(r["id"])
+        assert (job["status"], job["reason"]) == ("failed", "interrupted") and job["resumable"]
+    finally:
+        m.close()
+
+
+CRASHING_SERVER = textwrap.dedent("""
+    import json, sys, time, torch
+    from pathlib import Path
+    from remat.serve.jobs import JobManager
+    from remat.serve.scheduler import Scheduler
+    torch.set_num_threads(1)
+    m = JobManager(model="tiny-llama", state_dir=Path(sys.argv[1]), scheduler=Scheduler())
+    records = json.loads(sys.argv[2])
+    done = m.submit({"data": records, "ctx": 32, "steps": 2, "name": "before-crash"})
+    while m.get(done["id"])["status"] != "succeeded":
+        time.sleep(0.01)
+    long = m.submit({"data": records, "ctx": 32, "epochs": 3, "steps": 30})
+    queued = m.submit({"data": records, "ctx": 32, "steps": 2})
+    print(json.dumps({"done": done["id"], "long": long["id"], "queued": queued["id"]}), flush=True)
+    time.sleep(600)
+""")
+
+
+def test_restart_after_a_crash_keeps_adapters_and_resumes(tmp_path):
+    proc = subprocess.Popen([sys.executable, "-c", CRASHING_SERVER, str(tmp_path), json.dumps(RECORDS)],
+                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    try:
+        ids = json.loads(proc.stdout.readline())
+        ckpts = tmp_path / "jobs" / ids["long"]
+        deadline = time.monotonic() + 60
+        while not (ckpts.is_dir() and any(p.name.startswith("checkpoint-") for p in ckpts.iterdir())):
+            assert time.monotonic() < deadline and proc.poll() is None
+            time.sleep(0.005)
+    finally:
+        proc.kill()  # the crash: no chance to clean up or record anything
+        proc.wait()
+
+    m = new_manager(tmp_path)
+    try:
+        long = m.get(ids["long"])
+        assert (long["status"], long["reason"]) == ("failed", "interrupted")
+        assert 1 <= long["checkpoint_step"] < 30
+        assert (m.get(ids["queued"])["status"], m.get(ids["queued"])["reason"]) == ("failed", "interrupted")
+        [adapter] = m.adapters()
+        assert adapter["name"] == "before-crash" and (Path(adapter["path"]) / "adapter.gguf").is_file()
+
+        step = long["checkpoint_step"]
+        last = m.events_since(ids["long"])[-1]
+        assert (last["event"], last["data"]) == ("failed", {"reason": "interrupted"})
+        assert m.resume(ids["long"])["status"] == "queued"
+        events = wait_for(m, ids["long"], "succeeded", after=last["id"])
+        assert events[0]["event"] == "queued" and events[0]["data"]["resumed_from_step"] >= step
+        assert events[-1]["event"] == "succeeded", events[-1]
+        started = [e for e in events if e["event"] == "started"][-1]
+        assert started["data"]["resumed_from_step"] >= step
+        job = m.get(ids["long"])
+        assert job["step"] == 30 and len(job["losses"]) == 30
+        assert job["result"]["resumed_from"].endswith(f"checkpoint-{started['data']['resumed_from_step']}")
+        assert [a["name"] for a in m.adapters()] == ["before-crash", ids["long"]]
+        with pytest.raises(JobError) as e:
+            m.resume(ids["long"])
+        assert (e.value.status, e.value.code) == (409, "not_resumable")
+    finally:
+        m.close()
+    assert os.path.exists(tmp_path / "state.db")

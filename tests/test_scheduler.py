@@ -1,0 +1,143 @@
+"""The scheduler with real threads: a decoder thread and a trainer thread share one Scheduler."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from remat.serve.scheduler import Scheduler
+from remat.train import Cancelled
+
+CHUNK = 0.01  # seconds of "training" per chunk
+
+
+def chunk(s: Scheduler, cancelled=lambda: False) -> tuple[float, float]:
+    s.before_chunk(cancelled)
+    t0 = time.monotonic()
+    time.sleep(CHUNK)
+    t1 = time.monotonic()
+    s.chunk_done(t1 - t0)
+    return t0, t1
+
+
+def overlap(a: list[tuple[float, float]], b: list[tuple[float, float]]) -> float:
+    return sum(max(0.0, min(e1, e2) - max(s1, s2)) for s1, e1 in a for s2, e2 in b)
+
+
+def test_no_decoding_runs_chunks_at_once():
+    s = Scheduler(50_000)
+    start = time.monotonic()
+    for _ in range(10):
+        s.before_chunk(lambda: False)
+        s.chunk_done(0.0)
+    assert time.monotonic() - start < 0.02  # a poll sleeps 5 ms: ten chunks took no poll each
+    stats = s.stats()
+    assert stats["chunks"] == 10 and stats["waited_seconds"] < 0.02
+    assert stats["slowdown_ppm"] == 0 and stats["busy_seconds"] == 0
+
+
+@pytest.mark.parametrize("ppm", [50_000, 200_000])
+def test_overlap_stays_within_the_bound(ppm):
+    s = Scheduler(ppm)
+    chunk(s)  # learned while idle: the scheduler now expects ~10 ms chunks
+    busy: list[tuple[float, float]] = []
+    chunks: list[tuple[float, float]] = []
+    done = threading.Event()
+
+    def decoder():
+        end = time.monotonic() + 1.0
+        while time.monotonic() < end:
+            s.decode_begin()
+            t0 = time.monotonic()
+            for _ in range(4):  # a 20 ms request, reported token by token
+                time.sleep(0.005)
+                s.tokens(1, 0.005)
+            s.decode_end()
+            busy.append((t0, time.monotonic()))
+            time.sleep(0.001)  # a short gap between requests: not long enough for a chunk
+        done.set()
+
+    def trainer():
+        try:
+            while True:
+                chunks.append(chunk(s, done.is_set))
+        except Cancelled:
+            pass
+
+    threads = [threading.Thread(target=decoder), threading.Thread(target=trainer)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(10)
+    bound = ppm / 1e6
+    busy_time = sum(e - b for b, e in busy)
+    longest = max(e - b for b, e in chunks)
+    measured = overlap(chunks, busy)
+    # Admission keeps overlap within the budget; the last chunk may overrun its estimate.
+    assert measured <= bound * busy_time + longest + 0.005, (measured, busy_time, longest)
+    assert measured >= 0.25 * bound * busy_time  # and it does let training through while decoding
+    stats = s.stats()
+    assert stats["max_slowdown_ppm"] == ppm
+    assert stats["overlap_seconds"] == pytest.approx(measured, abs=0.02)
+    assert stats["waited_seconds"] > 0.5  # the trainer spent most of the second yielding
+
+
+def test_cancel_while_waiting_raises_promptly():
+    s = Scheduler(0)  # never overlaps decoding
+    s.decode_begin()
+    stop = threading.Event()
+    threading.Timer(0.05, stop.set).start()
+    start = time.monotonic()
+    with pytest.raises(Cancelled):
+        s.before_chunk(stop.is_set)
+    assert 0.045 <= time.monotonic() - start < 0.3
+    with pytest.raises(Cancelled):  # cancelled before it starts: raised at once, even when idle
+        Scheduler().before_chunk(lambda: True)
+
+
+def test_windows_p50_p95_and_since():
+    s = Scheduler()
+    for i in range(1, 21):
+        s.chunk_done(i / 100)  # 0.01 .. 0.20
+    stats = s.stats()
+    assert stats["chunks"] == 20
+    assert stats["window_p50"] == pytest.approx(0.11)  # sorted[round(0.5 * 19)] = sorted[10]
+    assert stats["window_p95"] == pytest.approx(0.19)  # sorted[round(0.95 * 19)] = sorted[18]
+    mark = s.mark()
+    s.chunk_done(1.0)
+    s.chunk_done(3.0)
+    since = s.stats(since=mark)
+    assert (since["chunks"], since["window_p50"], since["window_p95"]) == (2, 1.0, 3.0)
+    assert Scheduler().stats()["window_p50"] is None
+
+
+def test_view_and_measured_slowdown():
+    s = Scheduler()
+    assert s.view().busy_slots == 0 and s.view().idle_ms >= 0
+    s.decode_begin()
+    s.decode_begin()
+    s.tokens(100, 1.0)  # 100 tok/s with no training
+    view = s.view()
+    assert (view.busy_slots, view.idle_ms, view.tokens_generated) == (2, 0.0, 100)
+    assert s.stats()["slowdown_source"] == "overlap_fraction"
+    s.decode_end()
+    s.decode_end()
+    s.decode_end()  # an unmatched end is ignored
+    time.sleep(0.02)
+    assert s.view().busy_slots == 0 and s.view().idle_ms >= 15
+    s.before_chunk(lambda: False)  # idle: admitted at once; a chunk now runs
+    s.tokens(50, 1.0)  # 50 tok/s while it runs
+    s.chunk_done(0.01)
+    stats = s.stats()
+    # 150 tokens took 2 s; at the clean 100 tok/s they would have taken 1.5 s: 33% slower
+    assert stats["slowdown_source"] == "measured"
+    assert stats["slowdown_ppm"] == pytest.approx(333_333, abs=1)
+    assert s.view().tokens_generated == 150
+
+
+def test_rejects_bad_bound():
+    for bad in (-1, 1.5, True):
+        with pytest.raises(ValueError):
+            Scheduler(bad)
