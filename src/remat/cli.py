@@ -210,6 +210,8 @@ def cmd_finetune(args: argparse.Namespace) -> int:
         f"measured graph peak: {r['measured']['graph'] / 2**20:,.1f} MiB",
         f"seconds per epoch: {r['seconds_per_epoch']:.2f}  tokens/s: {r['tokens_per_second']:.0f}",
         f"chunks: {r['chunks']}  window p50 {r['window_p50']:.3f} s  p95 {r['window_p95']:.3f} s",
+        *([f"chunk windows (s): {' '.join(f'{x:.3f}' for x in r['chunk_seconds'])}"] if r["chunks"] > r["steps"]
+          else []),
         *(["saved: " + ", ".join(r["outputs"])] if r["outputs"] else []),
     ])
     emit(args, r, human)
