@@ -30,6 +30,15 @@ DEFAULT_LOSS_CHUNK = 256
 ROLES = ("trainable", "frozen", "buffer", "input")
 
 
+def tensors_in(value: object) -> list[torch.Tensor]:
+    """The tensors in a node's value: a tensor, or a (nested) tuple or list holding some."""
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, (list, tuple)):
+        return [t for v in value for t in tensors_in(v)]
+    return []
+
+
 @dataclass
 class TrainGraph:
     """A traced train step: `gm(*trainable, *frozen, *buffers, *inputs) -> (loss, *grads)`."""

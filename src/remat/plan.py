@@ -17,7 +17,7 @@ from torch import fx
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from remat import adapters, models, walk
-from remat.capture import DEFAULT_LOSS_CHUNK, EagerStridesFakeMode, TrainGraph, capture, interpret
+from remat.capture import DEFAULT_LOSS_CHUNK, EagerStridesFakeMode, TrainGraph, capture, interpret, tensors_in
 from remat.recompute import rewrite
 
 MiB = 1 << 20
@@ -40,20 +40,14 @@ class Plan:
         return {**asdict(self), "total": self.total}
 
 
-def _tensors(value: object) -> list[torch.Tensor]:
-    if isinstance(value, torch.Tensor):
-        return [value]
-    if isinstance(value, (list, tuple)):
-        return [t for v in value for t in _tensors(v)]
-    return []
 
 
 def _storages(node: fx.Node) -> list[StorageWeakRef]:
-    return [StorageWeakRef(t.untyped_storage()) for t in _tensors(node.meta.get("val"))]
+    return [StorageWeakRef(t.untyped_storage()) for t in tensors_in(node.meta.get("val"))]
 
 
 def _nbytes(ref: StorageWeakRef, node: fx.Node) -> int:
-    for t in _tensors(node.meta.get("val")):
+    for t in tensors_in(node.meta.get("val")):
         if StorageWeakRef(t.untyped_storage()) == ref:
             return t.untyped_storage().nbytes()
     raise AssertionError("storage not found")
@@ -113,13 +107,13 @@ def _role_bytes(tg: TrainGraph, role: str) -> int:
         t.untyped_storage().nbytes()
         for n, r in zip(tg.placeholders(), tg.roles)
         if r == role
-        for t in _tensors(n.meta.get("val"))
+        for t in tensors_in(n.meta.get("val"))
     )
 
 
 def plan(tg: TrainGraph) -> Plan:
     """Bytes by category for running `tg` as a training step with AdamW."""
-    trainable = [t for n, r in zip(tg.placeholders(), tg.roles) if r == "trainable" for t in _tensors(n.meta["val"])]
+    trainable = [t for n, r in zip(tg.placeholders(), tg.roles) if r == "trainable" for t in tensors_in(n.meta["val"])]
     params = sum(t.numel() * t.element_size() for t in trainable)
     return Plan(
         params=params,
@@ -177,7 +171,7 @@ def measure(tg: TrainGraph, args: list[torch.Tensor]) -> tuple[list, Measured]:
     counter = iter(range(1 << 62))
 
     def made(node: fx.Node, value: object, env: dict) -> None:
-        for t in _tensors(value):
+        for t in tensors_in(value):
             p = t.untyped_storage().data_ptr()
             if p in inputs or t.untyped_storage().nbytes() == 0:
                 continue
@@ -188,7 +182,7 @@ def measure(tg: TrainGraph, args: list[torch.Tensor]) -> tuple[list, Measured]:
         events.append((-1, 0))  # a sampling point: after each node, before frees
 
     def freed(node: fx.Node, value: object) -> None:
-        for t in _tensors(value):
+        for t in tensors_in(value):
             p = t.untyped_storage().data_ptr()
             if p not in refs:
                 continue
@@ -202,7 +196,7 @@ def measure(tg: TrainGraph, args: list[torch.Tensor]) -> tuple[list, Measured]:
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
     outputs = interpret(tg.gm, args, on_node=made, on_free=freed)
-    outs = {ident[p] for t in _tensors(outputs) if (p := t.untyped_storage().data_ptr()) in ident}
+    outs = {ident[p] for t in tensors_in(outputs) if (p := t.untyped_storage().data_ptr()) in ident}
     live = peak = 0
     for i, b in events:
         if i not in outs:

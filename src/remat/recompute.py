@@ -22,7 +22,7 @@ import torch
 from torch import fx
 
 from remat import alias
-from remat.capture import TrainGraph, interpret, refresh_meta
+from remat.capture import TrainGraph, interpret, refresh_meta, tensors_in
 from remat.marks import mark_name
 
 CLONE_OF = "remat_clone_of"  # node.meta key: the original a clone recomputes
@@ -166,7 +166,7 @@ def verify(tg: TrainGraph, args: list[torch.Tensor]) -> VerifyResult:
         if node not in pairs or first:
             return
         original = env[pairs[node]]
-        for a, b in zip(_tensors(value), _tensors(original)):
+        for a, b in zip(tensors_in(value), tensors_in(original)):
             if not torch.equal(a, b):
                 diff = (a.double() - b.double()).abs().max().item() if a.shape == b.shape else float("inf")
                 first.append(Difference(node.name, _op(node), next_mark[pairs[node]], list(a.shape), diff))
@@ -174,11 +174,3 @@ def verify(tg: TrainGraph, args: list[torch.Tensor]) -> VerifyResult:
 
     interpret(tg.gm, args, on_node=check, keep=set(pairs.values()))
     return VerifyResult(len(pairs), first[0] if first else None)
-
-
-def _tensors(value: object) -> list[torch.Tensor]:
-    if isinstance(value, torch.Tensor):
-        return [value]
-    if isinstance(value, (list, tuple)):
-        return [t for v in value for t in _tensors(v)]
-    return []
