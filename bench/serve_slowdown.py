@@ -208,10 +208,14 @@ def run_mode(client: Client, recompute: bool, args: argparse.Namespace, question
         print(f"recompute {'on' if recompute else 'off'}, pair {i + 1}: baseline", file=sys.stderr)
         base = decode_phase(client, args.seconds, questions)
         print(f"  {base['tps']:.1f} tok/s; submitting a job", file=sys.stderr)
+        t0 = time.monotonic()
         job_id = job(client, recompute, records, args.ctx)
+        setup_s = time.monotonic() - t0
         before = client.ok("GET", f"/train/{job_id}")
         during = decode_phase(client, args.seconds, questions)
+        t0 = time.monotonic()
         j = finish_job(client, job_id)
+        cancel_s = time.monotonic() - t0
         print(f"  training: {during['tps']:.1f} tok/s, job {j['status']}, {j['chunks']} chunks, "
               f"server {j['slowdown_ppm']} ppm", file=sys.stderr)
         pairs.append({"baseline": base, "training": during,
@@ -219,6 +223,7 @@ def run_mode(client: Client, recompute: bool, args: argparse.Namespace, question
                                                     "window_p50", "window_p95", "waited_seconds",
                                                     "slowdown_ppm", "slowdown_source", "measured")},
                       "job_steps_before_phase": before["step"], "job_chunks_before_phase": before["chunks"],
+                      "job_setup_s": round(setup_s, 1), "job_cancel_s": round(cancel_s, 1),
                       "metrics": metrics(client)})
     tps_b = pooled([p["baseline"] for p in pairs])
     tps_t = pooled([p["training"] for p in pairs])

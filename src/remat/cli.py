@@ -108,6 +108,8 @@ def parser() -> argparse.ArgumentParser:
     f = sub.add_parser("finetune", help="train a model; prints a receipt")
     model_args(f, 256)
     f.add_argument("--data", help="text file, JSONL {text} or JSONL chat {messages} (default: bundled corpus)")
+    f.add_argument("--pack", action="store_true",
+                   help="concatenate documents into windows (default: one document per window, padding masked)")
     f.add_argument("--epochs", type=positive_int, default=1)
     f.add_argument("--steps", type=positive_int, help="stop after this many optimizer steps")
     f.add_argument("--accumulate", type=positive_int, default=1, help="windows per optimizer step (default 1)")
@@ -195,7 +197,7 @@ def cmd_finetune(args: argparse.Namespace) -> int:
     settings = Settings(model=args.model, data=args.data, ctx=args.ctx, batch=args.batch, epochs=args.epochs,
                         steps=args.steps, lr=args.lr, seed=args.seed, recompute=args.recompute,
                         loss_chunk=args.loss_chunk, path=args.path, ubatch=args.ubatch,
-                        accumulate=args.accumulate, memory_budget=args.memory_budget, out=args.out,
+                        accumulate=args.accumulate, pack=args.pack, memory_budget=args.memory_budget, out=args.out,
                         lora=not args.full, lora_r=args.lora_r, lora_alpha=args.lora_alpha,
                         lora_dropout=args.lora_dropout, lora_targets=lora_targets,
                         save_every=args.save_every, resume=args.resume)

@@ -45,6 +45,7 @@ class Settings:
     path: str = "ubatch"  # "ubatch": one graph per window; "walk": chunks of `ubatch` tokens over a cache
     ubatch: int = 256  # walk: tokens per chunk
     accumulate: int = 1  # windows (batches) per optimizer step
+    pack: bool = False  # True: documents concatenated into windows; False: one document per window, padded
     memory_budget: int | None = None  # bytes; None: the device's free memory
     out: str | None = None
     lora: bool = True  # False: full fine-tuning
@@ -174,7 +175,7 @@ def finetune(s: Settings, *, progress: bool = True, hooks: Hooks | None = None) 
     if s.ctx > loaded.max_ctx:
         raise UsageError(f"--ctx {s.ctx} is above the model's maximum context {loaded.max_ctx}")
     windows = data.load_windows(s.data if s.data is not None else data.default_data_path(),
-                                loaded.tokenizer, s.ctx, s.batch)
+                                loaded.tokenizer, s.ctx, s.batch, pack=s.pack)
     model = loaded.model
     if s.lora:
         model = adapters.apply_lora(model, adapters.LoraSettings(s.lora_r, s.lora_alpha, s.lora_dropout,
