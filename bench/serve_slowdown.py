@@ -25,10 +25,12 @@ import argparse
 import contextlib
 import http.client
 import json
+import math
 import os
 import platform
 import shutil
 import socket
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -116,7 +118,7 @@ def prompts() -> list[str]:
 def decode_phase(client: Client, seconds: float, questions: list[str]) -> dict:
     """CONCURRENCY clients loop chat completions for `seconds`; pooled decode timings of the responses."""
     lock = threading.Lock()
-    tot = {"requests": 0, "tokens": 0, "predicted_ms": 0.0, "errors": 0}
+    tot = {"requests": 0, "tokens": 0, "predicted_ms": 0.0, "errors": 0, "rates": []}
     counter = iter(range(10**9))
     t0 = time.monotonic()
     deadline = t0 + seconds
@@ -139,6 +141,8 @@ def decode_phase(client: Client, seconds: float, questions: list[str]) -> dict:
                 tot["requests"] += 1
                 tot["tokens"] += t["predicted_n"]
                 tot["predicted_ms"] += t["predicted_ms"]
+                if t["predicted_ms"] > 0:
+                    tot["rates"].append(round(t["predicted_n"] / t["predicted_ms"] * 1e3, 3))
 
     threads = [threading.Thread(target=loop) for _ in range(CONCURRENCY)]
     for t in threads:
@@ -201,6 +205,17 @@ def ppm(tps_training: float, tps_baseline: float) -> int:
     return round((1 - tps_training / tps_baseline) * 1e6) if tps_baseline else 0
 
 
+def stderr_ppm(baseline: list[float], training: list[float]) -> int | None:
+    """One standard error of the client slowdown, from the spread of the requests' own tokens/s."""
+    def rel_var(xs: list[float]) -> float:
+        m = statistics.fmean(xs)
+        return statistics.variance(xs) / len(xs) / m**2
+    if len(baseline) < 2 or len(training) < 2:
+        return None
+    ratio = statistics.fmean(training) / statistics.fmean(baseline)
+    return round(ratio * math.sqrt(rel_var(baseline) + rel_var(training)) * 1e6)
+
+
 def run_mode(client: Client, recompute: bool, args: argparse.Namespace, questions: list[str],
              records: list[dict]) -> dict:
     pairs = []
@@ -224,6 +239,8 @@ def run_mode(client: Client, recompute: bool, args: argparse.Namespace, question
                                                     "slowdown_ppm", "slowdown_source", "measured")},
                       "job_steps_before_phase": before["step"], "job_chunks_before_phase": before["chunks"],
                       "job_setup_s": round(setup_s, 1), "job_cancel_s": round(cancel_s, 1),
+                      # chunks that ran after the job's step seen before the phase (its first chunks ran idle)
+                      "job_chunks_in_phase": (j["chunks"] or 0) - before["step"],
                       "metrics": metrics(client)})
     tps_b = pooled([p["baseline"] for p in pairs])
     tps_t = pooled([p["training"] for p in pairs])
@@ -241,6 +258,9 @@ def run_mode(client: Client, recompute: bool, args: argparse.Namespace, question
         "window_p50": sorted(p50s)[len(p50s) // 2] if p50s else None,  # the jobs' p50s: their median
         "window_p95": max(p95s) if p95s else None,  # the worse of the jobs
         "chunks": sum(j["chunks"] or 0 for j in jobs),
+        "chunks_in_phases": sum(p["job_chunks_in_phase"] for p in pairs),
+        "slowdown_ppm_client_stderr": stderr_ppm([x for p in pairs for x in p["baseline"]["rates"]],
+                                                 [x for p in pairs for x in p["training"]["rates"]]),
         "job_status": ",".join(j["status"] for j in jobs),
         "baseline_spread_ppm": round((max(bs) - min(bs)) / (sum(bs) / len(bs)) * 1e6) if bs else None,
         "pairs": pairs,
@@ -249,52 +269,62 @@ def run_mode(client: Client, recompute: bool, args: argparse.Namespace, question
 
 def markdown(res: dict) -> str:
     bound = res["max_slowdown_ppm"]
+
+    def f(v, fmt):
+        return "-" if v is None else format(v, fmt)
+
+    def mode(r):
+        return "on" if r["recompute"] else "off"
+
     lines = [
         "# Serving slowdown during training",
         "",
         (f"Model `{res['model']}`, `--max-slowdown-ppm {bound}`, `--parallel {CONCURRENCY}`, "
          f"`--threads {res['threads']}`; {CONCURRENCY} clients looping greedy chat completions "
-         f"(max_tokens {MAX_TOKENS}) for {res['seconds']} s a phase, phases interleaved "
-         f"{' '.join(['B T'] * res['pairs'])} per mode; LoRA job at ctx {res['ctx']}, cancelled after its phase."),
-        (f"Decode tok/s: the responses' `timings` (predicted_n / predicted_ms), pooled per mode. "
-         f"Machine: {res['machine']}, load average {res['loadavg_start']} at the start, "
-         f"{res['loadavg_end']} at the end; {res['elapsed_s']:.0f} s in all."),
+         f"(max_tokens {MAX_TOKENS}) for {res['seconds']:g} s a phase, "
+         f"{' '.join(['B T'] * res['pairs'])} per mode (recompute off, then on); a LoRA job at ctx {res['ctx']} "
+         "runs in each T phase (it has taken a step before the phase starts) and is cancelled after it."),
         "",
-        ("| recompute | baseline tok/s | training tok/s | slowdown ppm (client) | slowdown ppm (server) "
-         "| window p50 s | window p95 s | chunks | job status | baseline spread ppm |"),
-        "|---|---:|---:|---:|---:|---:|---:|---:|---|---:|",
+        ("Decode tok/s: the responses' `timings` (predicted_n / predicted_ms: decoding only), pooled over a "
+         f"mode's phases. Machine: {res['machine']}, load average {res['loadavg_start']} at the start, "
+         f"{res['loadavg_end']} at the end (the machine is shared); {res['elapsed_s']:.0f} s in all."),
+        "",
+        ("| recompute | baseline tok/s | training tok/s | slowdown ppm (client) | ± 1 SE | slowdown ppm (server) "
+         "| window p50 s | window p95 s | chunks (in phases) | job status | baseline spread ppm |"),
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|",
     ]
-
-    def f(v, fmt):
-        return "-" if v is None else format(v, fmt)
-
     for r in res["runs"]:
-        lines.append(f"| {'on' if r['recompute'] else 'off'} | {r['tps_baseline']:.1f} | {r['tps_training']:.1f} "
-                     f"| {r['slowdown_ppm_client']} | {f(r['slowdown_ppm_server'], 'd')} "
-                     f"| {f(r['window_p50'], '.3f')} | {f(r['window_p95'], '.3f')} | {r['chunks']} "
+        lines.append(f"| {mode(r)} | {r['tps_baseline']:.2f} | {r['tps_training']:.2f} "
+                     f"| {r['slowdown_ppm_client']} | {f(r['slowdown_ppm_client_stderr'], 'd')} "
+                     f"| {f(r['slowdown_ppm_server'], 'd')} | {f(r['window_p50'], '.3f')} "
+                     f"| {f(r['window_p95'], '.3f')} | {r['chunks']} ({r['chunks_in_phases']}) "
                      f"| {r['job_status']} | {r['baseline_spread_ppm']} |")
     lines += [
         "",
         (f"Target (client-measured slowdown <= {bound} ppm in every mode): "
-         f"**{'met' if res['target_met'] else 'not met'}**; by the server's own measure: "
-         f"**{'met' if res['target_met_server'] else 'not met'}**."),
+         f"**{'met' if res['target_met'] else 'not met'}**; by the server's own per-job measure: "
+         f"**{'met' if res['target_met_server'] else 'not met'}**. The server's slowdown over its whole life "
+         f"(`/metrics` at the end, all jobs and phases): {f(res['metrics'].get('slowdown_ppm'), '.0f')} ppm."),
         "",
-        ("Server slowdown, window p95: the worse of a mode's jobs; window p50: the median of its jobs' p50s; "
-         "chunks: all of its jobs' chunks (their setup steps before the phase included). Baseline spread: "
-         "how far the mode's baseline phases differ from each other, a measure of the noise."),
+        ("Client slowdown: (1 - training / baseline tok/s) x 1e6; ± 1 SE from the spread of the requests' own "
+         "tok/s (it leaves out drift between phases: see the baseline spread, how far a mode's baseline phases "
+         "differ from each other). Server slowdown and window p95: the worse of a mode's jobs; window p50: the "
+         "median of its jobs' p50s (a window is a chunk's wall time: one optimizer step here). Chunks: all of a "
+         "mode's jobs' chunks; in parentheses those that ran after the phase began."),
         "",
         "Per phase:",
         "",
-        ("| recompute | pair | baseline tok/s | training tok/s | requests B/T | job steps | job chunks "
-         "| server ppm | source |"),
-        "|---|---:|---:|---:|---|---:|---:|---:|---|",
+        ("| recompute | pair | baseline tok/s | training tok/s | requests B/T | job setup s | job steps "
+         "| chunks in phase | window p50 s | window p95 s | server ppm | source |"),
+        "|---|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|---|",
     ]
     for r in res["runs"]:
         for i, p in enumerate(r["pairs"], 1):
             j = p["job"]
-            lines.append(f"| {'on' if r['recompute'] else 'off'} | {i} | {p['baseline']['tps']:.1f} "
-                         f"| {p['training']['tps']:.1f} | {p['baseline']['requests']}/{p['training']['requests']} "
-                         f"| {j['step']} | {j['chunks']} | {j['slowdown_ppm']} | {j['slowdown_source']} |")
+            lines.append(f"| {mode(r)} | {i} | {p['baseline']['tps']:.2f} | {p['training']['tps']:.2f} "
+                         f"| {p['baseline']['requests']}/{p['training']['requests']} | {p['job_setup_s']:.0f} "
+                         f"| {j['step']} | {p['job_chunks_in_phase']} | {f(j['window_p50'], '.3f')} "
+                         f"| {f(j['window_p95'], '.3f')} | {j['slowdown_ppm']} | {j['slowdown_source']} |")
     return "\n".join(lines) + "\n"
 
 

@@ -281,7 +281,7 @@ def test_recompute_on_off_same_losses(cli, model):
     assert finite_losses(on, 3) == finite_losses(off, 3)
     assert r_on["recompute"] is True and r_off["recompute"] is False
     assert r_on["plan"] == r_on["plans"]["on"] and r_off["plan"] == r_off["plans"]["off"]
-    assert r_on["plans"] == r_off["plans"]
+    assert set(r_on["plans"]) == {"on"} and set(r_off["plans"]) == {"off"}  # only the plan each setting needs
     assert r_on["plan"]["graph"] < r_off["plan"]["graph"]
     assert r_on["plan"]["total"] < r_off["plan"]["total"]
     for r in (r_on, r_off):  # DESIGN §4: planner and measurement agree within 5%
@@ -329,7 +329,7 @@ def test_smollm2_loss_goes_down_on_one_batch(cli, smol_descent):
 
 @pytest.fixture(scope="module")
 def tiny_plans(cli) -> dict[str, dict]:
-    r = cli("plan", "--model", "tiny-llama", *TINY, "--json")
+    r = cli("plan", "--model", "tiny-llama", *TINY, "--full", "--json")
     assert r.rc == 0, r
     return r.json()["plans"]
 
@@ -376,7 +376,8 @@ def test_gate_auto_chooses_by_budget(cli, tiny_plans):
 
 
 def test_plan_big_model_from_config_alone(cli):
-    runs = cli.many(*[("plan", "--model", "qwen2.5-coder-1.5b", "--ctx", ctx, "--json") for ctx in (512, 34816)])
+    runs = cli.many(*[("plan", "--model", "qwen2.5-coder-1.5b", "--ctx", ctx, "--full", "--json")
+                      for ctx in (512, 34816)])
     for ctx, r in zip((512, 34816), runs):
         assert r.rc == 0, r
         result = r.json()

@@ -146,19 +146,14 @@ def test_tiny_qwen35_is_the_hybrid():
 
 
 @pytest.mark.parametrize("name", ["tiny-llama", "tiny-qwen35"])
-def test_tiny_train_step_is_fast(name):
+def test_tiny_presets_are_tiny(name):
+    """Tiny presets stay small enough for a fast train step (time itself is the bench's business)."""
     m = load_model(name).model
+    assert sum(p.numel() for p in m.parameters()) < 500_000
     x = torch.randint(0, m.config.vocab_size, (2, 64), generator=torch.Generator().manual_seed(0))
-    m(input_ids=x, labels=x).loss.backward()  # warm-up
-    times = []
-    for _ in range(3):  # best of three, so a busy machine does not fail the test
-        start = time.perf_counter()
-        loss = m(input_ids=x, labels=x).loss
-        loss.backward()
-        times.append(time.perf_counter() - start)
-    elapsed = min(times)
-    assert torch.isfinite(loss)
-    assert elapsed < 0.5, f"{name} train step took {elapsed:.2f} s"
+    loss = m(input_ids=x, labels=x).loss
+    loss.backward()
+    assert torch.isfinite(loss) and all(p.grad is not None for p in m.parameters())
 
 
 def test_num_layers_override():

@@ -494,7 +494,7 @@ def test_train_lifecycle(server):
     assert [int(e["id"]) for e in rest] == list(range(ids[-1] + 1, ids[-1] + 1 + len(rest)))
     assert rest[-1]["event"] == "succeeded"  # the stream ends after the terminal event
     steps = [json.loads(e["data"]) for e in first + rest if e["event"] == "step"]
-    assert [s["step"] for s in steps] == list(range(1, len(steps) + 1)) and len(steps) == 38
+    assert [s["step"] for s in steps] == list(range(1, len(steps) + 1)) and len(steps) == job["steps"] > 1
     replay = server.ok("GET", f"/train/{job_id}/events?stream=false")["data"]
     assert [e["id"] for e in replay] == ids + [int(e["id"]) for e in rest]
 
@@ -583,7 +583,8 @@ def test_decoding_while_training(server):
 
 def test_load_during_training(server):
     """200 short requests, 8 at a time, while a job trains: all answered, no 5xx, and the job finishes."""
-    job_id = server.submit(**cat_job(epochs=3))["id"]
+    job = server.submit(**cat_job(epochs=3))
+    job_id = job["id"]
     server.wait_job(job_id, lambda j: j["status"] != "queued")
 
     def one(i: int) -> int:
@@ -596,7 +597,7 @@ def test_load_during_training(server):
         statuses = list(pool.map(one, range(200)))
     assert statuses == [200] * 200
     done = server.wait_job(job_id)
-    assert done["status"] == "succeeded" and done["step"] == 57
+    assert done["status"] == "succeeded" and done["step"] == job["steps"] > 1
     assert done["window_p95"] is not None
 
 

@@ -458,7 +458,7 @@ class JobManager:
         if tokenizer is None:
             return None  # checked when the job runs
         try:
-            windows = data.load_windows(records, tokenizer, s.ctx, s.batch)
+            windows = data.load_windows(records, tokenizer, s.ctx, s.batch, pack=s.pack)
         except data.DataError as e:
             raise _invalid("data", str(e)) from None
         per_epoch = len(windows) // s.batch // s.accumulate
