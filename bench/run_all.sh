@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Regenerate the committed benchmark results in bench/results/ and their combined README table.
 #
-#   bench/run_all.sh            # all settings, about 15-20 minutes on 2 CPU cores
+#   bench/run_all.sh            # all settings: under 20 minutes on 2 otherwise idle CPU cores
 #
 # Each run trains four variants side by side (remat recompute off / on, PyTorch per-layer
 # checkpointing, plain eager) and writes bench.json, bench.md and bench.png into its folder.
@@ -18,8 +18,8 @@ mkdir -p "$out"
 bench() { echo "== $*" >&2; python -m remat.bench "$@" >/dev/null; }
 start=$SECONDS
 
-bench --ctx 512 --steps 3 --out "$out/smollm2-ctx512"
-bench --model tiny-qwen35 --ctx 512 --steps 4 --out "$out/tiny-qwen35-ctx512"
+bench --ctx 512 --steps 4 --out "$out/smollm2-ctx512"
+bench --model tiny-qwen35 --ctx 512 --steps 8 --out "$out/tiny-qwen35-ctx512"
 bench --ctx 2048 --steps 2 --out "$out/smollm2-ctx2048"
 bench --ctx 2048 --steps 2 --path walk --ubatch 256 --out "$out/smollm2-walk-ctx2048"
 

@@ -399,7 +399,7 @@ def test_plan_big_model_from_config_alone(cli):
 
 
 def test_plan_human_table(cli, tiny_plans):
-    r = cli("plan", "--model", "tiny-llama", *TINY)
+    r = cli("plan", "--model", "tiny-llama", *TINY, "--full")
     assert r.rc == 0 and "Traceback" not in r.err, r
     lines = r.out.splitlines()
     assert "recompute off" in lines[0] and "recompute on" in lines[0], r.out

@@ -340,7 +340,9 @@ def markdown(result: dict) -> str:
         "",
         (f"Losses: remat_on vs remat_off {verdict} over {len(by['remat_on']['losses'])} steps; "
         f"torch_checkpoint vs eager max abs diff {le['checkpoint_vs_eager_max_abs_diff']:.3g} "
-        f"(remat_off vs eager {le['off_vs_eager_max_abs_diff']:.3g}: chunked vs unchunked loss)."),
+        f"(remat_off vs eager {le['off_vs_eager_max_abs_diff']:.3g}: "
+        + ("the walk's gradient treats earlier chunks' K/V as constants)." if result["path"] == "walk"
+           else "chunked vs unchunked loss).")),
         "",
         "Targets: " + ", ".join(f"{k} {'met' if ok else 'NOT met'}" for k, ok in tg.items()) + ".",
         "",
@@ -348,8 +350,10 @@ def markdown(result: dict) -> str:
         "included, optimizer not), the same way for all four "
         + ("(profiler allocation events)" if result["device"] == "cpu" else "(`torch.cuda.max_memory_allocated`)")
         + "; planned graph: remat's plan of the graph alone (no grads)"
-        + ("; on the walk path the measured peak includes the KV cache." if result["path"] == "walk" else ".")
-        + " C and D run the whole window eagerly with the unchunked loss, as Hugging Face users get it.",
+        + ("; on the walk path the measured peak includes the KV cache, and the grads summed over chunks "
+           "next to the current chunk's." if result["path"] == "walk" else ".")
+        + " C and D run the whole window eagerly with the unchunked loss, as Hugging Face users get it "
+        "(the attention is the same SDPA kernel remat traces).",
     ]
     return "\n".join(lines) + "\n"
 
