@@ -451,25 +451,6 @@ def write_summary(results_dir: str | Path) -> Path:
 # ---------------------------------------------------------------------------------------- command line
 
 
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    from remat.cli import non_negative_int, positive_float, positive_int
-
-    p.add_argument("--model", help="GGUF file, HF safetensors folder, or preset (default: embedded SmolLM2-135M)")
-    p.add_argument("--ctx", type=positive_int, default=512, help="tokens per window (default 512)")
-    p.add_argument("--batch", type=positive_int, default=1, help="windows per step (default 1)")
-    p.add_argument("--steps", type=positive_int, default=3,
-                   help="training steps per variant, the first a warm-up (default 3, at least 2)")
-    p.add_argument("--path", choices=("ubatch", "walk"), default="ubatch",
-                   help="remat's path: ubatch (one graph per window) or walk (chunks of --ubatch over a KV cache)")
-    p.add_argument("--ubatch", type=positive_int, default=256, help="walk: tokens per chunk (default 256)")
-    p.add_argument("--loss-chunk", type=non_negative_int, default=DEFAULT_LOSS_CHUNK,
-                   help=f"remat's loss in pieces of this many tokens, 0 = one piece (default {DEFAULT_LOSS_CHUNK})")
-    p.add_argument("--lr", type=positive_float, default=1e-4)
-    p.add_argument("--out", default="remat-bench", help="folder for bench.json, bench.md, bench.png "
-                   "(default remat-bench)")
-    p.add_argument("--json", action="store_true", help="print the bench.json object on stdout")
-
-
 def main(args: argparse.Namespace) -> int:
     result = run_bench(args.model, args.ctx, args.batch, args.steps, args.path, args.ubatch, args.loss_chunk,
                        args.out, args.lr)
@@ -478,6 +459,6 @@ def main(args: argparse.Namespace) -> int:
 
 
 if __name__ == "__main__":
-    parser = argparse.ArgumentParser(prog="python -m remat.bench", description=__doc__.splitlines()[0])
-    add_arguments(parser)
-    sys.exit(main(parser.parse_args()))
+    from remat.cli import main as cli_main
+
+    sys.exit(cli_main(["bench", *sys.argv[1:]]))

@@ -90,6 +90,23 @@ def serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threads", type=integer(1), help="torch CPU threads (default: torch's choice)")
 
 
+def bench_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", help="GGUF file, HF safetensors folder, or preset (default: embedded SmolLM2-135M)")
+    p.add_argument("--ctx", type=positive_int, default=512, help="tokens per window (default 512)")
+    p.add_argument("--batch", type=positive_int, default=1, help="windows per step (default 1)")
+    p.add_argument("--steps", type=positive_int, default=3,
+                   help="training steps per variant, the first a warm-up (default 3, at least 2)")
+    p.add_argument("--path", choices=("ubatch", "walk"), default="ubatch",
+                   help="remat's path: ubatch (one graph per window) or walk (chunks of --ubatch over a KV cache)")
+    p.add_argument("--ubatch", type=positive_int, default=256, help="walk: tokens per chunk (default 256)")
+    p.add_argument("--loss-chunk", type=non_negative_int, default=DEFAULT_LOSS_CHUNK,
+                   help=f"remat's loss in pieces of this many tokens, 0 = one piece (default {DEFAULT_LOSS_CHUNK})")
+    p.add_argument("--lr", type=positive_float, default=1e-4)
+    p.add_argument("--out", default="remat-bench", help="folder for bench.json, bench.md, bench.png "
+                   "(default remat-bench)")
+    p.add_argument("--json", action="store_true", help="print the bench.json object on stdout")
+
+
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="remat", description="Fine-tune language models in less memory.")
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -134,6 +151,7 @@ def parser() -> argparse.ArgumentParser:
     e.add_argument("--out", required=True, help="new folder for the merged model")
     e.add_argument("--model", help="the base (default: the one recorded in the adapter)")
     serve_args(sub.add_parser("serve", help="serve completions and train in the background"))
+    bench_args(sub.add_parser("bench", help="memory and time side by side: recompute off/on, torch checkpointing, eager"))
 
     v = sub.add_parser("verify", help="one step comparing every recompute clone with its original")
     model_args(v, 128)
@@ -158,7 +176,7 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         commands = {"finetune": cmd_finetune, "plan": cmd_plan, "verify": cmd_verify, "export": cmd_export,
-                    "serve": cmd_serve}
+                    "serve": cmd_serve, "bench": cmd_bench}
         return commands[args.command](args)
     except GateRefused as e:
         return fail(EXIT_REFUSED, str(e))
@@ -237,6 +255,12 @@ def cmd_plan(args: argparse.Namespace) -> int:
               "plans": {k: plans[k].as_dict() for k in keep}}
     emit(args, result, table(result["plans"]))
     return 0
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    from remat import bench
+
+    return bench.main(args)
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
