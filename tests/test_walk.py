@@ -24,13 +24,7 @@ TINY = ("tiny-llama", "tiny-qwen35")
 BATCH, CTX, UBATCH = 2, 64, 16
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _single_thread():
-    # Tiny graphs run fastest on one thread; two intra-op threads on a busy 2-CPU box crawl.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def random_window(vocab: int, batch: int, ctx: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:

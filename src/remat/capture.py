@@ -71,7 +71,8 @@ class TrainGraph:
         return {n: name for n in self.graph.nodes if (name := mark_name(n)) is not None}
 
     def __call__(self, *args: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
-        loss, *grads = self.gm(*args)
+        with torch.no_grad():  # the backward is in the graph: autograd must not record it again
+            loss, *grads = self.gm(*args)
         return loss, grads
 
 
@@ -253,6 +254,7 @@ class _LossModule(nn.Module):
         return self.loss_fn(self.model, *inputs)
 
 
+@torch.no_grad()  # the backward is in the graph: autograd must not record it again
 def interpret(gm: fx.GraphModule, args: list, *, on_node=None, on_free=None,
               keep: set[fx.Node] = frozenset()) -> list:
     """Run `gm` node by node, freeing each value after its last use (unless in `keep`).
