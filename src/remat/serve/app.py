@@ -35,6 +35,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from remat.serve import page
 from remat.serve.engine import Engine, EngineError, Generation, SamplingParams
 
 __all__ = ["create_app", "main"]
@@ -487,6 +488,7 @@ def create_app(*, model: str | None = None, parallel: int = 1, api_keys: list[st
     app.state.server = srv
     app.add_middleware(BodyLimitMiddleware, limit=max_body)
     app.add_middleware(ApiKeyMiddleware, keys=list(api_keys or []))  # added last: runs first
+    page.install(app)  # the web page at /, served without a key (its middleware runs before the key check)
 
     # -- errors ---------------------------------------------------------------------------------------
 
