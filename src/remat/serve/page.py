@@ -56,9 +56,12 @@ class PublicPage:
         self.app = app
 
     async def __call__(self, scope, receive, send):
-        if scope["type"] == "http" and scope.get("method") in ("GET", "HEAD") and \
-                (scope["path"] == "/" or scope["path"].startswith(PREFIX)):
-            return await router(scope, receive, send)
+        if scope["type"] == "http" and scope.get("method") in ("GET", "HEAD"):
+            path = scope["path"]
+            if path == "/":
+                return await _file("index.html")(scope, receive, send)
+            if path.startswith(PREFIX):
+                return await _file(path[len(PREFIX):])(scope, receive, send)
         return await self.app(scope, receive, send)
 
 

@@ -390,8 +390,10 @@ async function submitTrain(ev) {
 // Bars by category for recompute off and on, against the budget; the gate's choice and its reason.
 function planBars(plans, budget, chosen) {
   const keys = ["off", "on"].filter((k) => plans && plans[k]);
-  const top = Math.max(budget || 0, ...keys.map((k) => plans[k].total)) || 1;
-  const budgetOnScale = budget && budget <= top * 1.0001;
+  // The scale is the largest plan, or the budget when it is near (a budget far above the plans says so in words).
+  const most = Math.max(...keys.map((k) => plans[k].total), 1);
+  const budgetOnScale = budget && budget <= most * 4;
+  const top = budgetOnScale ? Math.max(most, budget) * 1.04 : most * 1.04;
   const rows = keys.map((k) => {
     const p = plans[k];
     const bar = el("div", {class: "bar"});
@@ -414,7 +416,8 @@ function planBars(plans, budget, chosen) {
   });
   const legend = el("div", {class: "legend"}, CATEGORIES.filter((c) => keys.some((k) => plans[k][c])).map(
     (c) => el("span", {}, el("i", {class: "c-" + c}), CATEGORY_TEXT[c])),
-    budget ? el("span", {}, el("i", {class: "budget-key"}), `budget ${mib(budget)}`) : null);
+    budget ? el("span", {}, el("i", {class: "budget-key"}),
+                `budget ${mib(budget)}${budgetOnScale ? "" : " (far right of this scale)"}`) : null);
   return el("div", {class: "plan-bars"}, rows, legend);
 }
 
@@ -626,7 +629,7 @@ function renderJob() {
     el("span", {style: `width:${Math.min(100, 100 * (slow || 0) / bound).toFixed(1)}%`,
                 class: slow > bound ? "over" : ""})) : null;
   const measured = j.measured && j.measured.graph;
-  box.replaceChildren(
+  box.replaceChildren(...[
     el("div", {class: "job-head"},
       el("h2", {}, j.name || j.id, " ", statusBadge(j.status)),
       el("span", {class: "muted small stream-state", dataset: {state: f.state}},
@@ -652,7 +655,7 @@ function renderJob() {
                  planBars(j.plans, j.budget, j.recompute ? "on" : "off")) : null,
     j.adapter ? el("p", {class: "muted small"}, `adapter #${j.adapter.id} "${j.adapter.name}" at scale ` +
                    `${fmt(j.adapter.scale)} · `, el("a", {href: "#adapters"}, "set its scale")) : null,
-    j.output && !j.adapter ? el("p", {class: "muted small"}, `output: ${j.output}`) : null);
+    j.output && !j.adapter ? el("p", {class: "muted small"}, `output: ${j.output}`) : null].filter(Boolean));
   box.dataset.job = j.id;
   box.dataset.status = j.status;
 }
@@ -709,7 +712,7 @@ function renderAdapters() {
     slider.addEventListener("change", () => setScale(a.id, Number(slider.value), state));
     tbody.append(el("tr", {dataset: {adapter: a.id}},
       el("td", {}, a.id), el("td", {}, a.name), el("td", {class: "muted small"}, a.job_id || ""),
-      el("td", {class: "scale"}, slider, out), el("td", {}, state)));
+      el("td", {}, el("div", {class: "scale"}, slider, out)), el("td", {}, state)));
   }
 }
 

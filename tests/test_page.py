@@ -1,0 +1,336 @@
+"""The web page of `remat serve`, driven in a real headless Chromium against a real server.
+
+Two servers (subprocesses on free ports, tiny-llama, one thread each): an open one, and one with
+`--api-key` and a memory budget too small for any job. The browser is Debian's `chromium` driven by
+Playwright (no browser download): `make setup` installs it; without it these tests skip.
+
+`REMAT_SCREENSHOTS=docs/screenshots pytest tests/test_page.py` also writes a screenshot of each tab.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import http.client
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from urllib.parse import urlparse
+
+import pytest
+
+MODEL = "tiny-llama"
+KEY = "page-key"
+CAT = "the cat sat on the mat. "
+TERMINAL = ("succeeded", "failed", "cancelled")
+SCREENSHOTS = os.environ.get("REMAT_SCREENSHOTS")
+
+playwright_api = pytest.importorskip("playwright.sync_api", reason="the test extra's playwright is not installed")
+CHROMIUM = next((p for p in map(shutil.which, ("chromium", "chromium-browser")) if p), None)
+pytestmark = [
+    pytest.mark.skipif(CHROMIUM is None, reason="no chromium on PATH: `make setup` installs Debian's chromium"),
+    pytest.mark.filterwarnings("ignore::FutureWarning"),
+]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    """`python -m remat.serve.app` in a subprocess, and plain HTTP calls to check what the page did."""
+
+    def __init__(self, state_dir: Path, *args: str, key: str | None = None):
+        self.state_dir, self.args, self.key = Path(state_dir), args, key
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}/"
+        self.log = self.state_dir.parent / "server.log"
+        self.proc: subprocess.Popen | None = None
+
+    def spawn(self) -> Server:
+        cmd = [sys.executable, "-m", "remat.serve.app", "--model", MODEL, "--port", str(self.port),
+               "--state-dir", str(self.state_dir), "--threads", "1", *self.args]
+        with open(self.log, "ab") as log:
+            self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+        return self
+
+    def wait_ready(self, timeout: float = 120) -> Server:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise AssertionError(f"server exited with {self.proc.returncode}:\n{self.log.read_text()}")
+            with contextlib.suppress(OSError):
+                if self.request("GET", "/health", timeout=2)[0] == 200:
+                    return self
+            time.sleep(0.2)
+        raise AssertionError(f"server not ready after {timeout} s:\n{self.log.read_text()}")
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+    def request(self, method: str, path: str, body=None, timeout: float = 60) -> tuple[int, object]:
+        conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=timeout)
+        try:
+            data = json.dumps(body).encode() if body is not None else None
+            headers = {"Content-Type": "application/json"} if data is not None else {}
+            if self.key:
+                headers["Authorization"] = f"Bearer {self.key}"
+            conn.request(method, path, body=data, headers=headers)
+            resp = conn.getresponse()
+            text = resp.read().decode()
+            try:
+                return resp.status, json.loads(text)
+            except json.JSONDecodeError:
+                return resp.status, text
+        finally:
+            conn.close()
+
+
+@pytest.fixture(scope="module")
+def servers(tmp_path_factory):
+    """(open server, keyed server with a 64 KiB memory budget), started side by side."""
+    both = (Server(tmp_path_factory.mktemp("page-open") / "state"),
+            Server(tmp_path_factory.mktemp("page-keyed") / "state", "--api-key", KEY, "--memory-budget", "64KiB",
+                   key=KEY))
+    try:
+        for s in both:
+            s.spawn()
+        for s in both:
+            s.wait_ready()
+        yield both
+    finally:
+        for s in both:
+            s.stop()
+
+
+@pytest.fixture(scope="module")
+def server(servers):
+    return servers[0]
+
+
+@pytest.fixture(scope="module")
+def keyed(servers):
+    return servers[1]
+
+
+@pytest.fixture(scope="module")
+def browser():
+    with playwright_api.sync_playwright() as p:
+        b = p.chromium.launch(executable_path=CHROMIUM, args=["--disable-gpu", "--disable-dev-shm-usage"])
+        yield b
+        b.close()
+
+
+class Page:
+    """A browser tab on a server's page; records every request it makes and every script error."""
+
+    def __init__(self, browser, server: Server):
+        self.context = browser.new_context(viewport={"width": 1280, "height": 820})
+        self.page = self.context.new_page()
+        self.page.set_default_timeout(30_000)
+        self.requests: list[str] = []
+        self.errors: list[str] = []
+        self.page.on("request", lambda r: self.requests.append(r.url))
+        self.page.on("pageerror", lambda e: self.errors.append(str(e)))
+        self.page.goto(server.url)
+
+    def tab(self, name: str) -> None:
+        self.page.click(f"#tabs a[data-tab={name}]")
+        self.page.wait_for_selector(f"#tab-{name}:not([hidden])")
+
+    def shot(self, name: str) -> None:
+        if SCREENSHOTS:
+            Path(SCREENSHOTS).mkdir(parents=True, exist_ok=True)
+            self.page.screenshot(path=str(Path(SCREENSHOTS) / f"{name}.png"))
+
+    def error_text(self, selector: str) -> str:
+        self.page.wait_for_selector(f"{selector}:not([hidden])")
+        return self.page.inner_text(selector)
+
+    def close(self) -> None:
+        assert not self.errors, self.errors
+        self.context.close()
+
+
+@pytest.fixture(scope="module")
+def page(browser, server):
+    p = Page(browser, server)
+    yield p
+    p.close()
+
+
+def records_jsonl(n: int = 4) -> str:
+    return "\n".join(json.dumps({"text": CAT * 6}) for _ in range(n))
+
+
+# ---------------------------------------------------------------------------------------------------------
+
+
+def test_page_is_served_from_the_package_only(page, server):
+    p = page.page
+    p.wait_for_function("() => document.querySelector('#model').textContent.includes('tiny-llama')")
+    assert p.title() == "remat serve"
+    hosts = {urlparse(u).netloc for u in page.requests}
+    assert hosts == {f"127.0.0.1:{server.port}"}, page.requests  # nothing from outside the server
+    status, body = server.request("GET", "/ui/../page.py")
+    assert status == 404 and body["error"]["type"] == "not_found_error"
+
+
+def test_chat_streams(page):
+    page.tab("chat")
+    p = page.page
+    p.fill("#chat-max", "24")
+    p.fill("#chat-input", "What is remat?")
+    p.click("#chat-send")
+    p.wait_for_selector(".msg.assistant[data-done]", timeout=60_000)
+    answer = p.locator(".msg.assistant .text").inner_text()
+    assert answer and answer != "(no text)"
+    assert int(p.get_attribute(".msg.assistant", "data-pieces")) >= 2  # pieces, not one answer
+    assert p.locator("#chat-error").is_hidden()
+    assert p.evaluate("window.__remat.chat.length") == 2  # the answer joins the conversation
+    page.shot("chat")
+
+
+def test_train_plan_then_live_loss_curve(page, server):
+    page.tab("train")
+    p = page.page
+    p.fill("#t-name", "cat")
+    p.fill("#t-data", records_jsonl())
+    p.fill("#t-ctx", "32")
+    p.fill("#t-epochs", "3")
+    p.fill("#t-lr", "0.01")
+    p.click("#t-submit")
+    plan = p.wait_for_selector("#plan:not([hidden])", timeout=60_000)
+    text = plan.inner_text()
+    assert "recompute off" in text and "recompute on" in text, text
+    assert "fits the budget" in text  # the gate's reason
+    assert p.locator("#plan .plan-row.chosen").count() == 1
+    job_id = p.evaluate("window.__remat.follow.id")
+    page.shot("train")
+
+    page.tab("jobs")
+    p.wait_for_selector(f"#job-list li[data-job='{job_id}']")
+    p.wait_for_selector(f"#job-detail[data-job='{job_id}'][data-status=succeeded]", timeout=120_000)
+    p.wait_for_function("() => window.__remat.follow.state === 'ended'")
+    job = server.request("GET", f"/train/{job_id}")[1]
+    assert job["status"] == "succeeded"
+    steps = job["steps"]
+    assert steps > 10
+    assert int(p.get_attribute("#job-detail svg.chart", "data-points")) == steps
+    seen = p.evaluate("window.__remat.follow.seen")
+    counts = sorted(set(seen))
+    assert len([c for c in counts if 0 < c < steps]) >= 2, seen  # the curve gained points while it ran
+    assert seen == sorted(seen), seen
+    metrics = p.inner_text("#job-detail .metrics")
+    assert f"{steps} / {steps}" in metrics
+    assert "STEPS/S\n—" not in metrics.upper() and "ms" in metrics  # steps/s and the chunk windows
+    page.shot("jobs")
+
+
+def test_adapter_scale_slider(page, server):
+    adapters = server.request("GET", "/lora-adapters")[1]
+    assert adapters and adapters[-1]["scale"] == 0
+    ad = adapters[-1]["id"]
+    page.tab("adapters")
+    p = page.page
+    slider = p.wait_for_selector(f"#adapters input[data-adapter='{ad}']")
+    slider.fill("1.5")  # a range input: sets the value and fires input and change
+    p.wait_for_selector(f"#adapters tr[data-adapter='{ad}'] .save-state:text('saved')")
+    assert server.request("GET", "/lora-adapters")[1][ad]["scale"] == 1.5
+    assert p.inner_text(f"#adapters tr[data-adapter='{ad}'] .scale-value") == "1.50"
+    page.shot("adapters")
+    page.tab("chat")
+    p.wait_for_function("() => document.querySelector('#chat-adapters').textContent.includes('×1.50')")
+    server.request("POST", "/lora-adapters", [{"id": ad, "scale": 0.0}])
+
+
+def test_bad_file_and_refused_records_show_their_messages(page, server):
+    page.tab("train")
+    p = page.page
+    p.fill("#t-data", "")
+    p.set_input_files("#t-file", files=[{"name": "bad.jsonl", "mimeType": "application/json",
+                                         "buffer": b'{"text": "fine"}\n{"text": oops\n'}])
+    p.click("#t-submit")
+    assert "bad.jsonl line 2: not valid JSON" in page.error_text("#train-error")
+
+    bad = [{"role": "user"}]  # JSON, but no record the server can use: its message is shown
+    status, body = server.request("POST", "/train", {"data": bad, "ctx": 32})
+    assert status == 400
+    p.set_input_files("#t-file", files=[{"name": "records.json", "mimeType": "application/json",
+                                         "buffer": json.dumps(bad).encode()}])
+    p.click("#t-submit")
+    p.wait_for_function("() => document.querySelector('#train-error').textContent.startsWith('400')")
+    assert body["error"]["message"] in page.error_text("#train-error")
+    p.set_input_files("#t-file", files=[])
+
+
+def test_cancel_and_resume(page, server):
+    job = server.request("POST", "/train", {"data": [{"text": CAT * 6}], "ctx": 32, "epochs": 400,
+                                            "name": "long"})[1]
+    page.tab("jobs")
+    p = page.page
+    p.click(f"#job-list li[data-job='{job['id']}']")
+    p.locator(f"#job-detail[data-job='{job['id']}'] #job-cancel").click()
+    p.wait_for_selector(f"#job-detail[data-job='{job['id']}'][data-status=cancelled]", timeout=60_000)
+    p.locator("#job-resume").click()
+    p.wait_for_selector(f"#job-detail[data-job='{job['id']}'][data-status=running]", timeout=60_000)
+    assert server.request("GET", f"/train/{job['id']}")[1]["status"] in ("queued", "running")
+    p.locator("#job-cancel").click()
+    p.wait_for_selector(f"#job-detail[data-job='{job['id']}'][data-status=cancelled]", timeout=60_000)
+    assert server.request("GET", f"/train/{job['id']}")[1]["status"] == "cancelled"
+
+
+def test_api_key_and_memory_refusal(browser, keyed):
+    page = Page(browser, keyed)
+    try:
+        p = page.page
+        banner = page.error_text("#banner")
+        assert "needs an API key" in banner
+        p.wait_for_function("() => document.querySelector('#model').textContent.includes('tiny-llama')")  # public
+        page.tab("jobs")
+        assert "401" in page.error_text("#jobs-error")  # the server's refusal, shown
+
+        p.fill("#key", "wrong")
+        p.click("#key-save")
+        p.wait_for_function("() => document.querySelector('#banner').textContent.includes('refused the API key')")
+        p.fill("#key", KEY)
+        p.click("#key-save")
+        p.wait_for_selector("#banner", state="hidden")
+        assert p.evaluate("sessionStorage.getItem('remat.apiKey')") == KEY
+        p.reload()  # the key stays for the tab's session
+        p.wait_for_function("() => window.__remat.props !== null")
+        assert p.input_value("#key") == KEY
+
+        page.tab("chat")
+        p.fill("#chat-max", "6")
+        p.fill("#chat-input", "hi")
+        p.click("#chat-send")
+        p.wait_for_selector(".msg.assistant[data-done]", timeout=60_000)
+        assert p.locator("#chat-error").is_hidden()
+
+        page.tab("train")
+        p.fill("#t-data", records_jsonl(2))
+        p.fill("#t-ctx", "32")
+        p.click("#t-submit")
+        status, body = keyed.request("POST", "/train", {"data": [{"text": CAT * 6}] * 2, "ctx": 32})
+        assert status == 422
+        message = page.error_text("#train-error")
+        assert message.startswith("422") and body["error"]["message"] in message  # the server's own words
+        assert "refused: the job needs more than the memory budget" in message
+        plan = p.wait_for_selector("#plan:not([hidden])").inner_text()
+        assert "Refused" in plan and "over budget" in plan and "recompute on" in plan
+        page.shot("train-refused")
+    finally:
+        page.close()
