@@ -8,7 +8,9 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from remat.capture import StepInputs, TrainGraph, capture, causal_lm_loss
+from remat.capture import capture
+from remat.graph import StepInputs, TrainGraph
+from remat.hf import causal_lm_loss
 from remat.models import LoadedModel, load_model
 from remat.recompute import rewrite
 

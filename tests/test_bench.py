@@ -22,7 +22,7 @@ def test_json_schema(bench):
     assert on_disk == json.loads(json.dumps(result))
     for key in ("model", "ctx", "batch", "path", "device", "variants", "ratios"):
         assert key in on_disk
-    assert (on_disk["ctx"], on_disk["batch"], on_disk["path"]) == (64, 2, "ubatch")
+    assert (on_disk["ctx"], on_disk["batch"], on_disk["path"]) == (64, 2, "window")
     assert on_disk["device"].split()[0] in ("cpu", "cuda")
     assert [v["variant"] for v in on_disk["variants"]] == list(VARIANTS)
     for v in on_disk["variants"]:
@@ -81,7 +81,7 @@ def test_summary_table(bench, tmp_path):
 
 
 def test_steps_below_two_refused():
-    from remat.train import UsageError
+    from remat.settings import UsageError
 
     with pytest.raises(UsageError, match="at least 2"):
         run_bench("tiny-llama", ctx=16, steps=1, progress=False)

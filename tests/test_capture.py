@@ -8,7 +8,9 @@ from torch import fx
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from remat import capture as cap
-from remat.capture import ROLES, EagerStridesFakeMode, StepInputs, causal_lm_loss, interpret
+from remat.capture import EagerStridesFakeMode
+from remat.graph import ROLES, StepInputs, interpret
+from remat.hf import causal_lm_loss
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -8,9 +8,13 @@ import functools
 import pytest
 import torch
 
-from remat.capture import EagerStridesFakeMode, StepInputs, TrainGraph, capture, causal_lm_loss
+from remat.capture import EagerStridesFakeMode, capture
+from remat.graph import StepInputs, TrainGraph
+from remat.hf import causal_lm_loss
 from remat.models import build_from_config, load_config, load_model
-from remat.plan import live_at_peak, measure, plan, plan_model
+from remat.plan import live_at_peak, measure, plan
+from remat.settings import TrainSettings
+from remat.step import plan_settings
 from remat.recompute import rewrite
 
 TINY = ("tiny-llama", "tiny-qwen35")
@@ -95,14 +99,14 @@ def test_chunked_loss_matches_unchunked(name):
 
 
 def fake_model(spec: str) -> torch.nn.Module:
-    """The model `plan_model` plans: built from the config on fake tensors, no weights."""
+    """The model `plan_settings` plans: built from the config on fake tensors, no weights."""
     with EagerStridesFakeMode(allow_non_fake_inputs=True):
         return build_from_config(load_config(spec))
 
 
 def test_smollm2_plan_with_loss_chunks_counts_the_tied_head_once():
     assert load_config("smollm2-135m").tie_word_embeddings
-    plans = plan_model("smollm2-135m", 512, 1, loss_chunk=128)
+    plans = plan_settings(TrainSettings(model="smollm2-135m", ctx=512, loss_chunk=128, lora=False))
     unique = sum(p.numel() for p in fake_model("smollm2-135m").parameters())  # tied weights appear once
     for p in plans.values():
         assert p.params == p.grads == 4 * unique

@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from remat.capture import TrainGraph
+from remat.graph import TrainGraph
 from remat.plan import graph_peak, measure, plan
 
 pytestmark = pytest.mark.usefixtures("one_thread")

@@ -3,9 +3,11 @@
 import pytest
 import torch
 
-from remat.capture import StepInputs, capture
+from remat.capture import capture
+from remat.graph import StepInputs
 from remat.models import load_model
-from remat.plan import GateRefused, preflight
+from remat.plan import preflight
+from remat.settings import GateRefused
 
 lib = torch.library.Library("remat_test", "DEF")
 lib.define("cuda_only(Tensor x) -> Tensor")

@@ -10,7 +10,7 @@ from torch import fx
 from torch.fx.experimental.proxy_tensor import get_proxy_mode, make_fx
 
 import remat.recompute as rr
-from remat.capture import TrainGraph
+from remat.graph import TrainGraph
 from remat.marks import MARK_OP, mark_name
 from remat.recompute import CLONE_OF, explain, keep_reasons, rewrite, saved_nodes, verify
 

@@ -8,7 +8,7 @@ import time
 import pytest
 
 from remat.serve.scheduler import Scheduler
-from remat.train import Cancelled
+from remat.settings import Cancelled
 
 CHUNK = 0.01  # seconds of "training" per chunk
 

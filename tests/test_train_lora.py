@@ -13,12 +13,13 @@ import torch
 from safetensors.torch import load_file
 
 from remat import checkpoints
-from remat.train import Settings, finetune
+from remat.settings import TrainSettings
+from remat.train import finetune
 
 
 def run_tiny(**kw) -> dict:
     base = {"model": "tiny-llama", "ctx": 64, "batch": 2, "steps": 3}
-    return finetune(Settings(**{**base, **kw}), progress=False)
+    return finetune(TrainSettings(**{**base, **kw}), progress=False).as_dict()
 
 
 def test_lora_is_the_default_and_only_the_adapter_trains():

@@ -1,4 +1,4 @@
-"""The walk path (shared/DESIGN.md §5): a window trained in chunks over an in-place KV cache and state.
+"""The walk path (docs/architecture.md, "The walk"): a window trained in chunks over an in-place KV cache and state.
 
 Each chunk is one traced step whose placeholders are the model's tensors, then the walk's
 states (`walk.new_state`), the chunk's offset, the window's target count and the chunk's ids
@@ -14,11 +14,14 @@ import pytest
 import torch
 
 from remat import alias, walk
-from remat.capture import EagerStridesFakeMode, StepInputs, TrainGraph, capture
+from remat.capture import EagerStridesFakeMode, capture
+from remat.graph import StepInputs, TrainGraph
 from remat.models import build_from_config, load_config, load_model
-from remat.plan import Plan, measure, plan, plan_model
+from remat.plan import Plan, measure, plan
 from remat.recompute import explain, keep_reasons, rewrite, saved_nodes
-from remat.train import Settings, finetune
+from remat.settings import TrainSettings
+from remat.step import plan_settings
+from remat.train import finetune
 
 TINY = ("tiny-llama", "tiny-qwen35")
 BATCH, CTX, UBATCH = 2, 64, 16
@@ -166,8 +169,9 @@ def test_walk_recompute_on_off_bitwise_over_windows(name):
 @pytest.mark.parametrize("name", TINY)
 def test_finetune_walk_recompute_on_off(name):
     steps = 3
-    receipts = {rc: finetune(Settings(model=name, path="walk", ctx=CTX, ubatch=UBATCH, batch=BATCH, steps=steps,
-                                      recompute=rc), progress=False) for rc in ("on", "off")}
+    receipts = {rc: finetune(TrainSettings(model=name, path="walk", ctx=CTX, ubatch=UBATCH, batch=BATCH,
+                                           steps=steps, recompute=rc), progress=False).as_dict()
+                for rc in ("on", "off")}
     on, off = receipts["on"], receipts["off"]
     assert on["recompute"] is True and off["recompute"] is False
     assert len(on["losses"]) == steps
@@ -268,10 +272,10 @@ def test_llama_attention_over_the_written_cache_is_recomputed():
 
 @functools.cache
 def walk_plans(num_layers: int, ctx: int) -> dict[str, Plan]:
-    """tiny-llama's walk plans at ubatch 64: `plan_model` at the preset's depth (2 layers); at another
-    depth built the way plan_model builds it, on fake tensors."""
+    """tiny-llama's walk plans at ubatch 64: `plan_settings` at the preset's depth (2 layers); at another
+    depth built the way plan_settings builds it, on fake tensors."""
     if num_layers == load_config("tiny-llama").num_hidden_layers:
-        return plan_model("tiny-llama", ctx, 1, path="walk", ubatch=64)
+        return plan_settings(TrainSettings(model="tiny-llama", ctx=ctx, path="walk", ubatch=64, lora=False))
     with EagerStridesFakeMode(allow_non_fake_inputs=True):
         model = build_from_config(load_config("tiny-llama", num_layers=num_layers))
     tg = walk.capture_chunk(model, 1, ctx, 64)
@@ -283,8 +287,8 @@ def test_walk_graph_plan_does_not_grow_with_ctx():
     graph peak is the same at ctx 256 and 1024; only the cache grows (x4). The peak there is the
     loss head and the weight gradients, which depend on the chunk. (Each chunk also attends over the
     whole cache, so one layer's attention backward does grow with ctx: the next test pins that.)"""
-    short = plan_model("smollm2-135m", 256, 1, path="walk", ubatch=128)
-    long = plan_model("smollm2-135m", 1024, 1, path="walk", ubatch=128)
+    short = plan_settings(TrainSettings(model="smollm2-135m", ctx=256, path="walk", ubatch=128, lora=False))
+    long = plan_settings(TrainSettings(model="smollm2-135m", ctx=1024, path="walk", ubatch=128, lora=False))
     assert long["on"].cache == 4 * short["on"].cache > 0
     assert abs(long["on"].graph - short["on"].graph) <= 0.01 * short["on"].graph
     assert long["off"].graph > short["off"].graph  # without recompute every layer's attention grows

@@ -8,10 +8,6 @@ the embedded model), so a merge can find the base again without being told.
 
 from __future__ import annotations
 
-import contextlib
-import os
-import shutil
-import tempfile
 import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -25,7 +21,9 @@ import torch
 from peft.tuners.lora import LoraLayer
 from torch import nn
 
+from remat.files import listing, staged, staged_file
 from remat.models import ModelError, load_model
+from remat.settings import UsageError
 
 __all__ = [
     "DEFAULT_BASE",
@@ -41,7 +39,7 @@ DEFAULT_BASE = "default"  # base_model_name_or_path of an adapter trained on the
 GGUF_NAME = "adapter.gguf"
 
 
-class AdapterError(ValueError):
+class AdapterError(UsageError):
     """An adapter that cannot be made, saved or merged; the message is one line meant for the user."""
 
 
@@ -102,29 +100,6 @@ def apply_lora(model: nn.Module, s: LoraSettings, *, seed: int = 0) -> peft.Peft
 # files
 
 
-@contextlib.contextmanager
-def _new_folder(out: str | Path) -> Iterator[Path]:
-    """Yield a temporary folder that becomes `out` when the block succeeds, and vanishes when it fails."""
-    out = Path(out)
-    if out.exists() and (not out.is_dir() or any(out.iterdir())):
-        raise AdapterError(f"'{out}' exists and is not an empty folder: refusing to overwrite it")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
-    try:
-        tmp.chmod(0o755)  # mkdtemp makes it private; the result is an ordinary folder
-        yield tmp
-        try:
-            os.replace(tmp, out)  # atomic: readers see no folder or a complete one
-        except OSError as e:
-            raise AdapterError(f"cannot create '{out}': {e.strerror}") from None
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-
-
-def _files(folder: Path, final: Path) -> list[str]:
-    return sorted(str(final / p.relative_to(folder)) for p in folder.rglob("*") if p.is_file())
-
-
 def save_adapter(model: peft.PeftModel, out: str | Path, *, base_name: str,
                  base_gguf: Path | None = None) -> list[str]:
     """Write the adapter into the new folder `out`: PEFT files plus `adapter.gguf`; returns the files.
@@ -137,7 +112,7 @@ def save_adapter(model: peft.PeftModel, out: str | Path, *, base_name: str,
         raise AdapterError("the model has no adapter to save (it is not a PEFT model)")
     out = Path(out)
     config = model.peft_config[model.active_adapter]
-    with _new_folder(out) as tmp:
+    with staged(out, error=AdapterError) as tmp:
         config.base_model_name_or_path = base_name
         # "auto" would look up base_name on the Hugging Face hub; the vocabulary never changes here.
         model.save_pretrained(tmp, save_embedding_layers=False)
@@ -147,7 +122,7 @@ def save_adapter(model: peft.PeftModel, out: str | Path, *, base_name: str,
             warnings.warn(f"{GGUF_NAME} not written: {e}", stacklevel=2)
         else:
             write_gguf_adapter(model, tmp / GGUF_NAME, base_gguf=base_gguf)
-        files = _files(tmp, out)
+        files = listing(tmp, out)
     return files
 
 
@@ -279,10 +254,7 @@ def write_gguf_adapter(model: peft.PeftModel, path: Path, *, base_gguf: Path | N
     if not tensors:
         raise AdapterError("the adapter has no LoRA weights")
 
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.tmp-", dir=path.parent)
-    os.close(fd)
-    try:
+    with staged_file(path) as tmp:
         writer = gguf.GGUFWriter(tmp, gguf.MODEL_ARCH_NAMES[arch])
         writer.add_type(gguf.GGUFType.ADAPTER)
         writer.add_string(gguf.Keys.Adapter.TYPE, "lora")
@@ -293,10 +265,6 @@ def write_gguf_adapter(model: peft.PeftModel, path: Path, *, base_gguf: Path | N
         writer.write_kv_data_to_file()
         writer.write_tensors_to_file()
         writer.close()
-        os.replace(tmp, path)
-    finally:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -340,8 +308,8 @@ def merge_into_base(base_spec: str | None, adapter_dir: str | Path, out: str | P
 
     merged = model.merge_and_unload()
     merged.config.use_cache = True  # load_model turns the KV cache off for training; inference wants it
-    with _new_folder(out) as tmp:
+    with staged(out, error=AdapterError) as tmp:
         merged.save_pretrained(tmp)
         lm.tokenizer.save_pretrained(tmp)
-        files = _files(tmp, Path(out))
+        files = listing(tmp, Path(out))
     return files

@@ -13,6 +13,8 @@ from collections import defaultdict
 import torch
 from torch import fx
 
+from remat.graph import tensors_in
+
 
 def schema(node: fx.Node) -> torch.FunctionSchema | None:
     target = node.target
@@ -25,20 +27,12 @@ def _bound_args(node: fx.Node, s: torch.FunctionSchema) -> list[tuple[torch.Argu
     return bound
 
 
-def _tensor_nodes(value: object) -> list[fx.Node]:
-    if isinstance(value, fx.Node):
-        return [value]
-    if isinstance(value, (list, tuple)):
-        return [n for v in value for n in _tensor_nodes(v)]
-    return []
-
-
 def written(node: fx.Node) -> list[fx.Node]:
     """The inputs that `node` writes in place (empty for functional ops)."""
     s = schema(node)
     if s is None:
         return []
-    return [n for a, v in _bound_args(node, s) if a.alias_info and a.alias_info.is_write for n in _tensor_nodes(v)]
+    return [n for a, v in _bound_args(node, s) if a.alias_info and a.alias_info.is_write for n in tensors_in(v) if isinstance(n, fx.Node)]
 
 
 def view_source(node: fx.Node) -> fx.Node | None:

@@ -36,9 +36,11 @@ import torch
 from torch import nn
 
 from remat import models
-from remat.capture import StepInputs, causal_lm_loss
-from remat.plan import MiB, plan
-from remat.train import DEFAULT_LOSS_CHUNK, Hooks, Settings, UsageError, Window, step_graph
+from remat.graph import StepInputs
+from remat.hf import causal_lm_loss
+from remat.plan import plan
+from remat.settings import MiB, TrainSettings, UsageError
+from remat.train import BatchRunner, Hooks
 
 VARIANTS = ("remat_off", "remat_on", "torch_checkpoint", "eager")
 LABELS = {"remat_off": "A", "remat_on": "B", "torch_checkpoint": "C", "eager": "D"}
@@ -115,25 +117,25 @@ class Variant:
         }
 
 
-def _remat_variant(name: str, model: nn.Module, s: Settings, recompute: bool) -> Variant:
+def _remat_variant(name: str, model: nn.Module, s: TrainSettings, recompute: bool) -> Variant:
     params = list(StepInputs.of(model).trainable.values())
     state: dict = {}
 
     def setup() -> None:
-        state["graph"] = step_graph(model, s, recompute)
+        state["graph"] = step.build(model, step.StepShape.of(s), recompute)
         p = plan(state["graph"])
         v.planned_graph, v.planned_cache = p.graph, (p.cache or None)
 
     def step(input_ids: torch.Tensor, labels: torch.Tensor) -> float:
-        if "window" not in state:  # the walk's cache is allocated here, inside the measured step
-            state["window"] = Window(model, state["graph"], s, Hooks())
-        window: Window = state["window"]
+        if "runner" not in state:  # the walk's cache is allocated here, inside the measured step
+            state["runner"] = BatchRunner(model, state["graph"], s, Hooks())
+        runner: BatchRunner = state["runner"]
         # The graph holds its own backward: autograd must not record it (with grad mode on, every op
         # would save its inputs for a second, unused backward, and the grads would hold that graph).
         with torch.no_grad():
-            loss, grads = window.run(input_ids, labels)  # the first chunk runs observed (plan.measure)
-        if v.measured_graph is None and window.measured is not None:
-            v.measured_graph = window.measured.graph
+            loss, grads = runner.run(input_ids, labels)  # the first chunk runs observed (plan.measure)
+        if v.measured_graph is None and runner.measured is not None:
+            v.measured_graph = runner.measured.graph
         for p_, g in zip(params, grads):
             p_.grad = g
         return loss
@@ -184,15 +186,15 @@ def _max_abs_diff(a: list[float], b: list[float]) -> float:
     return max((abs(x - y) for x, y in zip(a, b)), default=0.0)
 
 
-def run_bench(model: str | None, ctx: int, batch: int = 1, steps: int = 3, path: str = "ubatch",
-              ubatch: int = 256, loss_chunk: int = DEFAULT_LOSS_CHUNK, out: str | Path | None = None,
-              lr: float = 1e-4, *, seed: int = 0, progress: bool = True) -> dict:
+def run_bench(model: str | None, ctx: int, batch: int = 1, steps: int = 3, path: str = "window",
+              ubatch: int = 256, loss_chunk: int = TrainSettings.model_fields["loss_chunk"].default,
+              out: str | Path | None = None, lr: float = 1e-4, *, seed: int = 0, progress: bool = True) -> dict:
     """Train the four variants side by side for `steps` steps; write bench.json/.md/.png into `out`."""
     if steps < 2:
         raise UsageError(f"--steps must be at least 2 (the first step is the warm-up), got {steps}")
-    s = Settings(model=model, ctx=ctx, batch=batch, steps=steps, lr=lr, seed=seed, loss_chunk=loss_chunk,
-                 path=path, ubatch=ubatch)
-    s.check()
+    s = TrainSettings(model=model, ctx=ctx, batch=batch, steps=steps, lr=lr, seed=seed, loss_chunk=loss_chunk,
+                      path=path, ubatch=ubatch)
+    path = s.path  # the current spelling
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
     def say(text: str) -> None:

@@ -9,120 +9,15 @@ backward starts; it is read off the tracer at that moment, not guessed later.
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass, field
 from typing import ClassVar
 
 import torch
-import torch.nn.functional as F
 from torch import fx, nn
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.fx.experimental.proxy_tensor import get_proxy_mode, make_fx
-from transformers import AttentionInterface
-from transformers.integrations.sdpa_attention import sdpa_attention_forward
-from transformers.masking_utils import AttentionMaskInterface
 
-from remat.marks import mark_layer_outputs, mark_name
-
-# With recompute, only one chunk's logits live at a time. SmolLM2 at ctx 2048 plans a
-# 1,296 MiB graph unchunked, 545 MiB at 512 and 473 MiB at 256 (`remat plan --loss-chunk`).
-DEFAULT_LOSS_CHUNK = 256
-
-ROLES = ("trainable", "frozen", "buffer", "input")
-
-
-def tensors_in(value: object) -> list[torch.Tensor]:
-    """The tensors in a node's value: a tensor, or a (nested) tuple or list holding some."""
-    if isinstance(value, torch.Tensor):
-        return [value]
-    if isinstance(value, (list, tuple)):
-        return [t for v in value for t in tensors_in(v)]
-    return []
-
-
-@dataclass
-class TrainGraph:
-    """A traced train step: `gm(*trainable, *frozen, *buffers, *inputs) -> (loss, *grads)`."""
-
-    gm: fx.GraphModule
-    roles: list[str]  # one per placeholder, in order: see ROLES
-    names: list[str]  # one per placeholder: parameter / buffer / input name
-    boundary: fx.Node  # the last forward node
-    info: dict = field(default_factory=dict)  # options the graph was traced with
-
-    @property
-    def graph(self) -> fx.Graph:
-        return self.gm.graph
-
-    def placeholders(self) -> list[fx.Node]:
-        return [n for n in self.graph.nodes if n.op == "placeholder"]
-
-    def forward_nodes(self) -> list[fx.Node]:
-        nodes = []
-        for n in self.graph.nodes:
-            nodes.append(n)
-            if n is self.boundary:
-                return nodes
-        raise AssertionError("boundary node is not in the graph")
-
-    def forward_set(self) -> set[fx.Node]:
-        return set(self.forward_nodes())
-
-    def marks(self) -> dict[fx.Node, str]:
-        return {n: name for n in self.graph.nodes if (name := mark_name(n)) is not None}
-
-    def __call__(self, *args: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
-        with torch.no_grad():  # the backward is in the graph: autograd must not record it again
-            loss, *grads = self.gm(*args)
-        return loss, grads
-
-
-def causal_lm_loss(model: nn.Module, input_ids: torch.Tensor, labels: torch.Tensor,
-                   loss_chunk: int = 0) -> torch.Tensor:
-    """Token-weighted mean cross-entropy over targets (labels == -100 are ignored)."""
-    prepare(model)
-    hidden = model.get_decoder()(input_ids=input_ids, use_cache=False).last_hidden_state
-    return head_loss(model, hidden, labels, loss_chunk)
-
-
-def head_loss(model: nn.Module, hidden: torch.Tensor, labels: torch.Tensor, loss_chunk: int = 0,
-              n_targets: torch.Tensor | None = None) -> torch.Tensor:
-    """Cross-entropy of the LM head over `hidden`: the mean over targets, or the sum over `n_targets`.
-
-    With `loss_chunk` = N > 0 the head runs on N tokens at a time: each chunk's logits
-    and cross-entropy are separate nodes, summed and divided by the number of targets,
-    so a recompute rewrite can keep one chunk's logits alive at a time.
-    """
-    head = model.get_output_embeddings()
-    n = hidden.shape[1]
-    if n_targets is None and not 0 < loss_chunk < n:
-        return F.cross_entropy(head(hidden).flatten(0, 1).float(), labels.flatten(), ignore_index=-100)
-    step = loss_chunk if 0 < loss_chunk < n else n
-    total = sum(
-        F.cross_entropy(head(hidden[:, i:i + step]).flatten(0, 1).float(),
-                        labels[:, i:i + step].flatten(), ignore_index=-100, reduction="sum")
-        for i in range(0, n, step)
-    )
-    return total / (n_targets if n_targets is not None else (labels != -100).sum())
-
-
-@dataclass
-class StepInputs:
-    """The model's tensors split by role, in the placeholder order of the traced graph."""
-
-    trainable: dict[str, torch.Tensor]
-    frozen: dict[str, torch.Tensor]
-    buffers: dict[str, torch.Tensor]
-
-    @classmethod
-    def of(cls, model: nn.Module) -> StepInputs:
-        trainable, frozen = {}, {}
-        for name, p in model.named_parameters():  # tied weights appear once
-            (trainable if p.requires_grad else frozen)[name] = p
-        return cls(trainable, frozen, dict(model.named_buffers()))
-
-    def args(self, *batch: torch.Tensor) -> list[torch.Tensor]:
-        return [*self.trainable.values(), *self.frozen.values(), *self.buffers.values(), *batch]
-
+from remat.graph import StepInputs, TrainGraph
+from remat.hf import causal_lm_loss, prepare
 
 _trace_count = 0  # traces made in this process: an epoch must not trace more than once
 
@@ -130,36 +25,6 @@ _trace_count = 0  # traces made in this process: an epoch must not trace more th
 def trace_count() -> int:
     return _trace_count
 
-
-ATTENTION = "remat"
-
-
-def _mask(batch_size: int, q_length: int, kv_length: int, q_offset=0, kv_offset: int = 0, device=None, **kwargs):
-    """No mask for a plain causal window; for a chunk attending over a cache, keys up to each query."""
-    if isinstance(q_offset, int) and q_offset == 0 and kv_offset == 0 and kv_length == q_length:
-        return None
-    q = q_offset + torch.arange(q_length, device=device)
-    kv = kv_offset + torch.arange(kv_length, device=device)
-    return (kv[None, :] <= q[:, None])[None, None]
-
-
-def _attention(module, query, key, value, attention_mask, **kwargs):
-    return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
-
-
-# SDPA with masks remat builds. transformers' own "sdpa" decides between a mask and
-# `is_causal` with data-dependent checks that answer differently under tracing than in
-# eager mode, so a traced step would not match eager; these have no such branch.
-AttentionInterface.register(ATTENTION, _attention)
-AttentionMaskInterface.register(ATTENTION, _mask)
-
-
-def prepare(model: nn.Module) -> None:
-    """Mark the layer outputs and select remat's attention masks, once per model."""
-    if not getattr(model, "_remat_prepared", False):
-        mark_layer_outputs(model)
-        model.set_attn_implementation(ATTENTION)
-        model._remat_prepared = True
 
 
 def capture(model: nn.Module, input_ids: torch.Tensor, labels: torch.Tensor, *,
@@ -252,45 +117,3 @@ class _LossModule(nn.Module):
 
     def forward(self, *inputs: torch.Tensor) -> torch.Tensor:
         return self.loss_fn(self.model, *inputs)
-
-
-@torch.no_grad()  # the backward is in the graph: autograd must not record it again
-def interpret(gm: fx.GraphModule, args: list, *, on_node=None, on_free=None,
-              keep: set[fx.Node] = frozenset()) -> list:
-    """Run `gm` node by node, freeing each value after its last use (unless in `keep`).
-
-    `on_node(node, value, env)` sees every value as it is made, `on_free(node, value)` as
-    it is dropped. This is the slow path used to observe a run (measured memory, verify
-    mode); training calls `gm` itself, which frees values at the same points.
-    """
-    def drop(n: fx.Node) -> None:
-        value = env.pop(n)
-        if on_free is not None:
-            on_free(n, value)
-
-    nodes = list(gm.graph.nodes)
-    last_use: dict[fx.Node, int] = {}
-    for i, n in enumerate(nodes):
-        for a in n.all_input_nodes:
-            last_use[a] = i
-    dies_at: dict[int, list[fx.Node]] = {}
-    for n, i in last_use.items():
-        if n not in keep:
-            dies_at.setdefault(i, []).append(n)
-    env: dict[fx.Node, object] = {}
-    it = iter(args)
-    for i, n in enumerate(nodes):
-        if n.op == "placeholder":
-            env[n] = next(it)
-        elif n.op == "output":
-            return list(fx.node.map_arg(n.args[0], env.__getitem__))
-        else:
-            a, kw = fx.node.map_arg((n.args, n.kwargs), env.__getitem__)
-            env[n] = getattr(gm, n.target) if n.op == "get_attr" else n.target(*a, **kw)
-        if on_node is not None:
-            on_node(n, env[n], env)
-        if not n.users and n not in keep:
-            drop(n)
-        for dead in dies_at.get(i, ()):
-            drop(dead)
-    raise AssertionError("graph has no output")

@@ -12,19 +12,20 @@ from __future__ import annotations
 import json
 import os
 import re
-import shutil
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from safetensors.torch import load_file, save_file
 
+from remat.files import staged
+from remat.settings import UsageError
+
 STATE = "trainer_state.json"
 _NAME = re.compile(r"checkpoint-(\d+)")
 
 
-class CheckpointError(ValueError):
+class CheckpointError(UsageError):
     """No usable checkpoint where one was asked for; one line for the user."""
 
 
@@ -36,19 +37,12 @@ class Checkpoint:
 
 def save(out: Path, step: int, trainable: dict[str, torch.Tensor], optimizer: torch.optim.Optimizer,
          losses: list[float]) -> Path:
-    out.mkdir(parents=True, exist_ok=True)
     final = out / f"checkpoint-{step}"
-    tmp = Path(tempfile.mkdtemp(prefix=f".checkpoint-{step}.", dir=out))
-    try:
+    with staged(final, mode="replace") as tmp:
         save_file({k: v.detach().contiguous() for k, v in trainable.items()}, tmp / "trainable.safetensors")
         torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
         torch.save(torch.get_rng_state(), tmp / "rng.pt")
         (tmp / STATE).write_text(json.dumps({"step": step, "losses": losses}))
-        if final.exists():
-            shutil.rmtree(final)
-        os.replace(tmp, final)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
     return final
 
 

@@ -11,151 +11,96 @@ import json
 import os
 import sys
 import warnings
+from typing import Annotated, Literal, get_args, get_origin
 
-# Nothing heavy at import time: `remat --help` and argument errors answer at once.
-DEFAULT_LOSS_CHUNK = 256  # remat.capture.DEFAULT_LOSS_CHUNK; a test keeps the two equal
+from pydantic import TypeAdapter, ValidationError
 
-EXIT_CHECK_FAILED, EXIT_BAD_INPUT, EXIT_REFUSED = 1, 2, 3
+from remat.settings import Cli, RematError, ServeSettings, TrainSettings, UsageError, describe
+
+# Nothing heavy at import time (torch, transformers): `remat --help` and argument errors answer at once.
+# Every option comes from a field of remat.settings: its type, bounds, default and help are declared there.
+
+EXIT_CHECK_FAILED = 1
 
 
-def integer(minimum: int):
-    def parse(text: str) -> int:
+def _field_type(cls: type, name: str):
+    """An argparse `type` that validates one field with pydantic, so a bad value is a usage error."""
+    info = cls.model_fields[name]
+    adapter = TypeAdapter(Annotated[(info.annotation, *info.metadata)] if info.metadata else info.annotation)
+
+    def parse(text: str):
         try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"'{text}' is not an integer") from None
-        if value < minimum:
-            raise argparse.ArgumentTypeError(f"must be {'positive' if minimum == 1 else f'at least {minimum}'}, "
-                                             f"got {value}")
-        return value
+            return adapter.validate_python(text)
+        except ValidationError as e:
+            raise argparse.ArgumentTypeError(describe(e, flags=True).lstrip(": ")) from None
 
     return parse
 
 
-positive_int, non_negative_int = integer(1), integer(0)
+def add_fields(p: argparse.ArgumentParser, cls: type, names: str, **defaults: object) -> None:
+    """Options for the fields `names` (space-separated) of a settings class; `defaults` override its defaults."""
+    for name in names.split():
+        info = cls.model_fields[name]
+        cli = next((m for m in info.metadata if isinstance(m, Cli)), Cli())
+        flags = cli.flags or ("--" + name.replace("_", "-"),)
+        default = defaults.get(name, info.default)
+        shown = "" if default is None or default == [] or isinstance(default, bool) else f" (default {default})"
+        kwargs: dict = {"dest": name, "help": (info.description or "").replace("%", "%%") + shown}
+        if cli.action in ("store_true", "store_false"):
+            p.add_argument(*flags, action=cli.action, default=default, **kwargs)
+        else:
+            choices = get_args(info.annotation) if get_origin(info.annotation) is Literal else ()
+            metavar = "{" + ",".join(choices) + "}" if choices else name.upper()
+            p.add_argument(*flags, type=_field_type(cls, name), default=default, action=cli.action,
+                           metavar=metavar, **kwargs)
 
 
-def positive_float(text: str) -> float:
+def settings_from(cls: type, args: argparse.Namespace, **extra: object):
+    """The settings object for the parsed options (cross-field rules are checked here)."""
+    values = {k: v for k, v in vars(args).items() if k in cls.model_fields} | extra
     try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"'{text}' is not a number") from None
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"must be positive, got {text}")
-    return value
+        return cls(**values)
+    except ValidationError as e:
+        raise UsageError(describe(e, flags=True)) from None
 
 
-def memory_size(text: str) -> int:
-    from remat.plan import parse_bytes
-
-    try:
-        return parse_bytes(text)
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
-
-
-def lora_args(c: argparse.ArgumentParser) -> None:
-    c.add_argument("--full", action="store_true", help="full fine-tuning instead of a LoRA adapter")
-    c.add_argument("--lora-r", type=positive_int, default=8)
-    c.add_argument("--lora-alpha", type=positive_float, default=16.0)
-    c.add_argument("--lora-dropout", type=float, default=0.0)
-    c.add_argument("--lora-targets", help="comma-separated module names (default: every linear layer)")
-
-
-def lora_settings(args: argparse.Namespace):
-    from remat.adapters import LoraSettings
-
-    if args.full:
-        return None
-    targets = args.lora_targets.split(",") if args.lora_targets else None
-    return LoraSettings(args.lora_r, args.lora_alpha, args.lora_dropout, targets)
-
-
-def serve_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", help="GGUF file, HF safetensors folder, or preset (default: embedded SmolLM2-135M)")
-    p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
-    p.add_argument("--port", type=integer(0), default=8080, help="port (default 8080)")
-    p.add_argument("--api-key", action="append", default=[], metavar="KEY",
-                   help="require this key (Authorization: Bearer KEY or X-Api-Key); repeatable")
-    p.add_argument("--parallel", "-np", type=integer(1), default=1,
-                   help="requests that decode at once; more wait (default 1)")
-    p.add_argument("--ctx", type=integer(1), help="context size for serving (default: the model's maximum)")
-    p.add_argument("--max-slowdown-ppm", type=integer(0), default=50_000,
-                   help="how much training may slow decoding, in parts per million (default 50000 = 5%%)")
-    p.add_argument("--memory-budget", type=memory_size, help="memory for training jobs, e.g. 2GiB (default: free memory)")
-    p.add_argument("--state-dir", default="remat-state",
-                   help="folder for jobs, their events and adapters (default ./remat-state)")
-    p.add_argument("--max-body", type=integer(1), default=64 << 20,
-                   help="largest request body in bytes (default 64 MiB)")
-    p.add_argument("--threads", type=integer(1), help="torch CPU threads (default: torch's choice)")
-
-
-def bench_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", help="GGUF file, HF safetensors folder, or preset (default: embedded SmolLM2-135M)")
-    p.add_argument("--ctx", type=positive_int, default=512, help="tokens per window (default 512)")
-    p.add_argument("--batch", type=positive_int, default=1, help="windows per step (default 1)")
-    p.add_argument("--steps", type=positive_int, default=3,
-                   help="training steps per variant, the first a warm-up (default 3, at least 2)")
-    p.add_argument("--path", choices=("ubatch", "walk"), default="ubatch",
-                   help="remat's path: ubatch (one graph per window) or walk (chunks of --ubatch over a KV cache)")
-    p.add_argument("--ubatch", type=positive_int, default=256, help="walk: tokens per chunk (default 256)")
-    p.add_argument("--loss-chunk", type=non_negative_int, default=DEFAULT_LOSS_CHUNK,
-                   help=f"remat's loss in pieces of this many tokens, 0 = one piece (default {DEFAULT_LOSS_CHUNK})")
-    p.add_argument("--lr", type=positive_float, default=1e-4)
-    p.add_argument("--out", default="remat-bench", help="folder for bench.json, bench.md, bench.png "
-                   "(default remat-bench)")
-    p.add_argument("--json", action="store_true", help="print the bench.json object on stdout")
+MODEL_OPTIONS = "model ctx batch loss_chunk path ubatch"
+LORA_OPTIONS = "lora lora_r lora_alpha lora_dropout lora_targets"
 
 
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="remat", description="Fine-tune language models in less memory.")
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
-
-    def model_args(c: argparse.ArgumentParser, ctx: int) -> None:
-        c.add_argument("--model", help="GGUF file, HF safetensors folder, or preset (default: embedded SmolLM2-135M)")
-        c.add_argument("--ctx", type=positive_int, default=ctx, help=f"tokens per window (default {ctx})")
-        c.add_argument("--batch", type=positive_int, default=1, help="windows per step (default 1)")
-        c.add_argument("--loss-chunk", type=non_negative_int, default=DEFAULT_LOSS_CHUNK,
-                       help=f"tokens per piece of the loss head, 0 = one piece (default {DEFAULT_LOSS_CHUNK})")
-        c.add_argument("--path", choices=("ubatch", "walk"), default="ubatch",
-                       help="ubatch: one graph per window; walk: chunks of --ubatch tokens over a KV cache")
-        c.add_argument("--ubatch", type=positive_int, default=256, help="walk: tokens per chunk (default 256)")
-        c.add_argument("--json", action="store_true", help="print one JSON object on stdout")
+    as_json = {"action": "store_true", "help": "print one JSON object on stdout"}
 
     f = sub.add_parser("finetune", help="train a model; prints a receipt")
-    model_args(f, 256)
-    f.add_argument("--data", help="text file, JSONL {text} or JSONL chat {messages} (default: bundled corpus)")
-    f.add_argument("--pack", action="store_true",
-                   help="concatenate documents into windows (default: one document per window, padding masked)")
-    f.add_argument("--epochs", type=positive_int, default=1)
-    f.add_argument("--steps", type=positive_int, help="stop after this many optimizer steps")
-    f.add_argument("--accumulate", type=positive_int, default=1, help="windows per optimizer step (default 1)")
-    f.add_argument("--lr", type=positive_float, help="learning rate (default 1e-3 with LoRA, 1e-4 with --full)")
-    f.add_argument("--seed", type=int, default=0)
-    f.add_argument("--recompute", choices=("on", "off", "auto"), default="auto",
-                   help="recompute per-layer intermediates in backward (default auto: only when needed to fit)")
-    f.add_argument("--memory-budget", type=memory_size, help="e.g. 2GiB (default: free memory of the device)")
-    f.add_argument("--out", help="folder for the adapter (PEFT + adapter.gguf), or the model with --full")
-    lora_args(f)
-    f.add_argument("--save-every", type=positive_int, help="write a checkpoint every N steps into --out")
-    f.add_argument("--resume", help="continue from the latest checkpoint in this folder")
+    add_fields(f, TrainSettings, " ".join(TrainSettings.model_fields))
+    f.add_argument("--json", **as_json)
 
     pl = sub.add_parser("plan", help="memory plan from the config alone; allocates nothing")
-    model_args(pl, 512)
+    add_fields(pl, TrainSettings, f"{MODEL_OPTIONS} {LORA_OPTIONS}", ctx=512)
     pl.add_argument("--recompute", choices=("on", "off", "both"), default="both")
-    lora_args(pl)
+    pl.add_argument("--json", **as_json)
+
+    v = sub.add_parser("verify", help="one step comparing every recompute clone with its original")
+    add_fields(v, TrainSettings, "model ctx batch loss_chunk", ctx=128)
+    v.add_argument("--explain", action="store_true", help="print what is kept across the backward, and why")
+    v.add_argument("--json", **as_json)
 
     e = sub.add_parser("export", help="write the base model with a trained adapter merged in (HF layout)")
     e.add_argument("--merge", action="store_true", required=True, help="merge the adapter into the base weights")
     e.add_argument("--adapter", required=True, help="adapter folder written by `remat finetune --out`")
     e.add_argument("--out", required=True, help="new folder for the merged model")
     e.add_argument("--model", help="the base (default: the one recorded in the adapter)")
-    serve_args(sub.add_parser("serve", help="serve completions and train in the background"))
-    bench_args(sub.add_parser("bench", help="memory and time side by side: recompute off/on, torch checkpointing, eager"))
 
-    v = sub.add_parser("verify", help="one step comparing every recompute clone with its original")
-    model_args(v, 128)
-    v.add_argument("--explain", action="store_true", help="print what is kept across the backward, and why")
+    add_fields(sub.add_parser("serve", help="serve completions and train in the background"),
+               ServeSettings, " ".join(ServeSettings.model_fields))
+
+    b = sub.add_parser("bench", help="memory and time side by side: recompute off/on, torch checkpointing, eager")
+    add_fields(b, TrainSettings, f"{MODEL_OPTIONS} lr out", ctx=512, lr=1e-4, out="remat-bench")
+    b.add_argument("--steps", type=_field_type(TrainSettings, "steps"), default=3,
+                   help="training steps per variant, the first a warm-up (default 3, at least 2)")
+    b.add_argument("--json", action="store_true", help="print the bench.json object on stdout")
     return p
 
 
@@ -167,21 +112,12 @@ def fail(code: int, message: str) -> int:
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     warnings.filterwarnings("ignore", category=FutureWarning)  # library deprecation chatter, not for users
-    from remat.adapters import AdapterError
-    from remat.checkpoints import CheckpointError
-    from remat.data import DataError
-    from remat.models import ModelError
-    from remat.plan import GateRefused
-    from remat.train import UsageError
-
+    commands = {"finetune": cmd_finetune, "plan": cmd_plan, "verify": cmd_verify, "export": cmd_export,
+                "serve": cmd_serve, "bench": cmd_bench}
     try:
-        commands = {"finetune": cmd_finetune, "plan": cmd_plan, "verify": cmd_verify, "export": cmd_export,
-                    "serve": cmd_serve, "bench": cmd_bench}
         return commands[args.command](args)
-    except GateRefused as e:
-        return fail(EXIT_REFUSED, str(e))
-    except (ModelError, DataError, UsageError, AdapterError, CheckpointError) as e:
-        return fail(EXIT_BAD_INPUT, str(e))
+    except RematError as e:  # bad input 2, refused by the gate 3: the error type says which
+        return fail(e.exit_code, str(e))
     except KeyboardInterrupt:
         return fail(130, "interrupted")
     except Exception as e:  # no traceback as the answer; REMAT_DEBUG=1 shows it
@@ -209,17 +145,10 @@ def table(plans: dict) -> str:
 
 
 def cmd_finetune(args: argparse.Namespace) -> int:
-    from remat.train import Settings, finetune
+    from remat.train import finetune
 
-    lora_targets = args.lora_targets.split(",") if args.lora_targets else None
-    settings = Settings(model=args.model, data=args.data, ctx=args.ctx, batch=args.batch, epochs=args.epochs,
-                        steps=args.steps, lr=args.lr, seed=args.seed, recompute=args.recompute,
-                        loss_chunk=args.loss_chunk, path=args.path, ubatch=args.ubatch,
-                        accumulate=args.accumulate, pack=args.pack, memory_budget=args.memory_budget, out=args.out,
-                        lora=not args.full, lora_r=args.lora_r, lora_alpha=args.lora_alpha,
-                        lora_dropout=args.lora_dropout, lora_targets=lora_targets,
-                        save_every=args.save_every, resume=args.resume)
-    r = finetune(settings, progress=True)
+    receipt = finetune(settings_from(TrainSettings, args), progress=True)
+    r = receipt.as_dict()
     losses = " ".join(f"{x:.6f}" for x in r["losses"])
     human = "\n".join([
         f"model: {r['model']}  trainable parameters: {r['trainable_parameters']:,}  "
@@ -240,19 +169,16 @@ def cmd_finetune(args: argparse.Namespace) -> int:
 
 def cmd_plan(args: argparse.Namespace) -> int:
     from remat.models import load_config
-    from remat.plan import plan_model
+    from remat.step import plan_settings
 
-    if args.path == "walk" and args.ctx % args.ubatch:
-        return fail(EXIT_BAD_INPUT, f"--ctx {args.ctx} must be a multiple of --ubatch {args.ubatch} on the walk path")
-    limit = load_config(args.model).max_position_embeddings
-    if args.ctx > limit:  # a plan answers "would it fit"; training there is refused
-        print(f"remat: note: --ctx {args.ctx} is above the model's maximum context {limit}", file=sys.stderr)
-    plans = plan_model(args.model, args.ctx, args.batch, loss_chunk=args.loss_chunk, path=args.path,
-                       ubatch=args.ubatch, lora=lora_settings(args))
-    keep = ["off", "on"] if args.recompute == "both" else [args.recompute]
-    result = {"model": args.model or "default", "ctx": args.ctx, "batch": args.batch, "path": args.path,
-              "loss_chunk": args.loss_chunk, "lora": not args.full,
-              "plans": {k: plans[k].as_dict() for k in keep}}
+    s = settings_from(TrainSettings, args, recompute="auto")
+    limit = load_config(s.model).max_position_embeddings
+    if s.ctx > limit:  # a plan answers "would it fit"; training there is refused
+        print(f"remat: note: --ctx {s.ctx} is above the model's maximum context {limit}", file=sys.stderr)
+    keep = ("off", "on") if args.recompute == "both" else (args.recompute,)
+    plans = plan_settings(s, keep)
+    result = {"model": s.model or "default", "ctx": s.ctx, "batch": s.batch, "path": s.path,
+              "loss_chunk": s.loss_chunk, "lora": s.lora, "plans": {k: p.as_dict() for k, p in plans.items()}}
     emit(args, result, table(result["plans"]))
     return 0
 
@@ -266,7 +192,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
 def cmd_serve(args: argparse.Namespace) -> int:
     from remat.serve import app as serve_app
 
-    return serve_app.main(args)
+    return serve_app.main(settings_from(ServeSettings, args))
 
 
 def cmd_export(args: argparse.Namespace) -> int:
@@ -280,27 +206,27 @@ def cmd_export(args: argparse.Namespace) -> int:
 def cmd_verify(args: argparse.Namespace) -> int:
     import torch
 
-    from remat import models
-    from remat.capture import StepInputs, capture
-    from remat.recompute import explain, rewrite, verify
+    from remat import models, step
+    from remat.graph import StepInputs
+    from remat.recompute import explain, verify
 
-    loaded = models.load_model(args.model)
-    if args.ctx > loaded.max_ctx:
-        return fail(EXIT_BAD_INPUT, f"--ctx {args.ctx} is above the model's maximum context {loaded.max_ctx}")
+    s = settings_from(TrainSettings, args)
+    loaded = models.load_model(s.model)
+    if s.ctx > loaded.max_ctx:
+        raise UsageError(f"--ctx {s.ctx} is above the model's maximum context {loaded.max_ctx}")
+    shape = step.StepShape.of(s)
     g = torch.Generator().manual_seed(0)
-    ids = torch.randint(0, loaded.model.config.vocab_size, (args.batch, args.ctx), generator=g)
-    labels = torch.randint(0, loaded.model.config.vocab_size, (args.batch, args.ctx), generator=g)
-    tg = capture(loaded.model, ids, labels, loss_chunk=args.loss_chunk)
-    result = verify(rewrite(tg), StepInputs.of(loaded.model).args(ids, labels))
+    ids, labels = torch.randint(0, loaded.model.config.vocab_size, (2, s.batch, s.ctx), generator=g)
+    result = verify(step.build(loaded.model, shape, True), StepInputs.of(loaded.model).args(ids, labels))
     d = result.first_difference
     out = {"clones": result.clones, "equal": result.equal, "first_difference": d and vars(d)}
-    if result.equal:
+    if d is None:
         human = f"all {result.clones} clones equal"
     else:
         human = (f"{result.clones} clones compared; first difference: {d.node} ({d.op}) in {d.mark}, "
                  f"shape {d.shape}, max abs diff {d.max_abs_diff:g}")
     if args.explain:
-        e = explain(tg)
+        e = explain(step.build(loaded.model, shape, False))
         out["explain"] = {"kept": e.kept, "counts": {k: dict(v) for k, v in e.counts.items()},
                           "recomputed": dict(e.recomputed)}
         human = e.format() + "\n" + human

@@ -16,11 +16,13 @@ from dataclasses import dataclass
 
 import torch
 
+from remat.settings import UsageError
+
 ROLES = ("system", "user", "assistant")
 IGNORE = -100  # label value that cross-entropy skips
 
 
-class DataError(ValueError):
+class DataError(UsageError):
     """Bad training data; the message is one line that names the file, the line and what is wrong."""
 
 

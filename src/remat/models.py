@@ -11,14 +11,15 @@ import importlib.util
 import json
 import os
 import pathlib
-import shutil
 import struct
-import tempfile
 from dataclasses import dataclass
 
 import torch
 import transformers
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+from remat.files import staged
+from remat.settings import UsageError, one_line
 
 transformers.utils.logging.disable_progress_bar()  # remat draws its own progress; keep stderr readable
 transformers.utils.logging.set_verbosity_error()
@@ -36,7 +37,7 @@ __all__ = [
 ]
 
 
-class ModelError(ValueError):
+class ModelError(UsageError):
     """A model spec that cannot be used; the message is one line meant for the user."""
 
 
@@ -142,7 +143,7 @@ def _config_from_dict(d: dict) -> transformers.PretrainedConfig:
     try:
         return transformers.AutoConfig.for_model(model_type, **d)
     except (ValueError, TypeError, KeyError) as e:
-        raise ModelError(f"bad config for model_type '{model_type}': {_one_line(e)}") from None
+        raise ModelError(f"bad config for model_type '{model_type}': {one_line(e)}") from None
 
 
 def _with_layers(config: transformers.PretrainedConfig, num_layers: int) -> transformers.PretrainedConfig:
@@ -155,11 +156,6 @@ def _with_layers(config: transformers.PretrainedConfig, num_layers: int) -> tran
         old = d["layer_types"]
         d["layer_types"] = [old[i % len(old)] for i in range(num_layers)]
     return _config_from_dict(d)
-
-
-def _one_line(e: BaseException) -> str:
-    text = " ".join(str(e).split())
-    return text[:300] or type(e).__name__
 
 
 def _is_gguf(path: pathlib.Path) -> bool:
@@ -196,7 +192,7 @@ def _read_json_config(path: pathlib.Path) -> transformers.PretrainedConfig:
     try:
         d = json.loads(path.read_text())
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ModelError(f"cannot read config '{path}': {_one_line(e)}") from None
+        raise ModelError(f"cannot read config '{path}': {one_line(e)}") from None
     if not isinstance(d, dict) or "model_type" not in d:
         raise ModelError(f"'{path}' is not a model config.json (no model_type)")
     return _config_from_dict(d)
@@ -215,7 +211,7 @@ def load_config(spec: str | None, *, num_layers: int | None = None) -> transform
             try:
                 config = transformers.AutoConfig.from_pretrained(target.parent, gguf_file=target.name)
             except _LOAD_ERRORS as e:
-                raise ModelError(f"cannot read GGUF '{target}': {_one_line(e)}") from None
+                raise ModelError(f"cannot read GGUF '{target}': {one_line(e)}") from None
             # The dequantized model is plain float weights; the GGUF quantization is not part of it.
             if hasattr(config, "quantization_config"):
                 del config.quantization_config
@@ -241,7 +237,7 @@ def build_from_config(config: transformers.PretrainedConfig, *, seed: int = 0) -
                 config, dtype=torch.float32, attn_implementation="sdpa"
             )
         except ValueError as e:
-            raise ModelError(f"cannot build a causal LM from this config: {_one_line(e)}") from None
+            raise ModelError(f"cannot build a causal LM from this config: {one_line(e)}") from None
     return model
 
 
@@ -267,11 +263,11 @@ def _load_folder(folder: pathlib.Path) -> tuple[transformers.PreTrainedModel, tr
             folder, dtype=torch.float32, attn_implementation="sdpa", local_files_only=True
         )
     except (OSError, ValueError, KeyError) as e:
-        raise ModelError(f"cannot load model from '{folder}': {_one_line(e)}") from None
+        raise ModelError(f"cannot load model from '{folder}': {one_line(e)}") from None
     try:
         tokenizer = transformers.AutoTokenizer.from_pretrained(folder, local_files_only=True)
     except (OSError, ValueError, KeyError, TypeError) as e:
-        raise ModelError(f"cannot load the tokenizer in '{folder}': {_one_line(e)}") from None
+        raise ModelError(f"cannot load the tokenizer in '{folder}': {one_line(e)}") from None
     return model, tokenizer
 
 
@@ -296,23 +292,16 @@ def _convert_gguf(path: pathlib.Path, dest: pathlib.Path) -> None:
         )
         tokenizer = transformers.AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
     except _LOAD_ERRORS as e:
-        raise ModelError(f"cannot load GGUF '{path}': {_one_line(e)}") from None
+        raise ModelError(f"cannot load GGUF '{path}': {one_line(e)}") from None
     # The weights are dequantized float32 now: drop the GGUF quantizer so they save and reload as plain ones.
     if model.hf_quantizer is not None:
         model.hf_quantizer.remove_quantization_config(model)
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    tmp = pathlib.Path(tempfile.mkdtemp(prefix=".tmp-", dir=dest.parent))
-    try:
+    if (dest / "config.json").is_file():  # another process converted it meanwhile
+        return
+    with staged(dest, mode="replace") as tmp:
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
         (tmp / "remat-source.json").write_text(json.dumps({"gguf": str(path)}) + "\n")
-        try:
-            os.replace(tmp, dest)  # atomic: a crash never leaves a half-written cache entry
-        except OSError:
-            if not (dest / "config.json").is_file():  # not just another process winning the race
-                raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def _load_gguf(path: pathlib.Path) -> tuple[transformers.PreTrainedModel, transformers.PreTrainedTokenizerBase]:

@@ -16,11 +16,8 @@ import torch
 from torch import fx
 from torch.multiprocessing.reductions import StorageWeakRef
 
-from remat import adapters, models, walk
-from remat.capture import DEFAULT_LOSS_CHUNK, EagerStridesFakeMode, TrainGraph, capture, interpret, tensors_in
-from remat.recompute import rewrite
-
-MiB = 1 << 20
+from remat.graph import TrainGraph, interpret, tensors_in
+from remat.settings import GateRefused, MiB
 
 
 @dataclass
@@ -125,27 +122,6 @@ def plan(tg: TrainGraph) -> Plan:
     )
 
 
-def plan_model(spec: str | None, ctx: int, batch: int = 1, *, loss_chunk: int = DEFAULT_LOSS_CHUNK,
-               path: str = "ubatch", ubatch: int = 256, lora: adapters.LoraSettings | None = None,
-               checkpoint_prefix: str = "l_out") -> dict[str, Plan]:
-    """Plans with recompute off and on, from the model's config alone: no weights, nothing allocated.
-
-    The model is built and the step traced on fake tensors, which carry shapes, dtypes
-    and strides but no memory.
-    """
-    config = models.load_config(spec)
-    with EagerStridesFakeMode(allow_non_fake_inputs=True):
-        model = models.build_from_config(config)
-    if lora is not None:  # outside the fake mode: PEFT cannot swap fake weights, and the adapter is small
-        model = adapters.apply_lora(model, lora)
-    if path == "walk":
-        tg = walk.capture_chunk(model, batch, ctx, ubatch, loss_chunk=loss_chunk)
-    else:
-        ids = torch.zeros(batch, ctx, dtype=torch.long)
-        tg = capture(model, ids, ids.clone(), loss_chunk=loss_chunk)
-    return {"off": plan(tg), "on": plan(rewrite(tg, checkpoint_prefix))}
-
-
 @dataclass
 class Measured:
     graph: int  # peak live bytes of graph-allocated storages, observed
@@ -208,24 +184,6 @@ def measure(tg: TrainGraph, args: list[torch.Tensor]) -> tuple[list, Measured]:
 
 # ---------------------------------------------------------------------------------------- the gate
 
-_UNITS = {"": MiB, "b": 1, "k": 1 << 10, "kb": 1 << 10, "kib": 1 << 10, "m": MiB, "mb": MiB, "mib": MiB,
-          "g": 1 << 30, "gb": 1 << 30, "gib": 1 << 30, "t": 1 << 40, "tb": 1 << 40, "tib": 1 << 40}
-
-
-def parse_bytes(text: str) -> int:
-    """'512MiB', '2GiB', '1.5G' or a bare number of MiB -> bytes."""
-    s = text.strip().lower().replace(" ", "")
-    number = s.rstrip("abcdefghijklmnopqrstuvwxyz")
-    unit = s[len(number):]
-    try:
-        value = float(number)
-    except ValueError:
-        value = -1.0
-    if unit not in _UNITS or value <= 0:
-        raise ValueError(f"memory budget '{text}' is not a positive size like 512MiB or 8GiB")
-    return int(value * _UNITS[unit])
-
-
 def available_memory(device: torch.device | str = "cpu") -> int:
     """Free memory of the device: on CPU the kernel's MemAvailable estimate."""
     if torch.device(device).type == "cuda":
@@ -235,10 +193,6 @@ def available_memory(device: torch.device | str = "cpu") -> int:
             if line.startswith("MemAvailable:"):
                 return int(line.split()[1]) * 1024
     raise OSError("cannot read MemAvailable from /proc/meminfo")
-
-
-class GateRefused(Exception):
-    """The job does not fit the budget with any allowed setting; the message gives the figures."""
 
 
 def mib(n: int) -> str:

@@ -1,6 +1,6 @@
-"""The recompute rewrite: keep one checkpoint per layer, recompute the rest before backward.
+"""The recompute rewrite: keep one mark per layer (`l_out`), recompute the rest before backward.
 
-Rules (shared/DESIGN.md §3), all in this file:
+Rules (docs/architecture.md, "The rewrite"), all in this file:
 1. saved: forward nodes that some backward node reads.
 2. kept (never recomputed): placeholders; marks whose name starts with the prefix;
    the step's outputs (the loss lives to the end anyway, and the backward's seed
@@ -22,7 +22,8 @@ import torch
 from torch import fx
 
 from remat import alias
-from remat.capture import TrainGraph, interpret, refresh_meta, tensors_in
+from remat.capture import refresh_meta
+from remat.graph import TrainGraph, interpret, tensors_in
 from remat.marks import mark_name
 
 CLONE_OF = "remat_clone_of"  # node.meta key: the original a clone recomputes
@@ -58,9 +59,9 @@ def saved_nodes(tg: TrainGraph) -> list[fx.Node]:
     return [n for n in tg.forward_nodes() if any(u not in fwd for u in n.users)]
 
 
-def rewrite(tg: TrainGraph, checkpoint_prefix: str = "l_out") -> TrainGraph:
+def rewrite(tg: TrainGraph, keep_prefix: str = "l_out") -> TrainGraph:
     """A new TrainGraph whose backward reads only kept forward nodes and recompute clones."""
-    kept = keep_reasons(tg, checkpoint_prefix)
+    kept = keep_reasons(tg, keep_prefix)
     forward = tg.forward_nodes()
     fwd_index = {n: i for i, n in enumerate(forward)}
     new = fx.Graph()
@@ -93,11 +94,12 @@ def rewrite(tg: TrainGraph, checkpoint_prefix: str = "l_out") -> TrainGraph:
             clones[m].meta[CLONE_OF] = m.name
         env[n] = new.node_copy(n, lambda a: recomputed(a) if a in fwd_index else env[a])
 
+    new.lint()
     gm = fx.GraphModule(tg.gm, new)
     refresh_meta(gm)  # clones need storages of their own, not their originals'
     boundary = env[tg.boundary]
     return TrainGraph(gm=gm, roles=tg.roles, names=tg.names, boundary=boundary,
-                      info={**tg.info, "recompute": checkpoint_prefix})
+                      info={**tg.info, "recompute": keep_prefix})
 
 
 @dataclass
@@ -120,9 +122,9 @@ def _op(n: fx.Node) -> str:
     return str(n.target) if n.op == "call_function" else n.op
 
 
-def explain(tg: TrainGraph, checkpoint_prefix: str = "l_out") -> Explanation:
+def explain(tg: TrainGraph, keep_prefix: str = "l_out") -> Explanation:
     """What the rewrite keeps alive into the backward (and why), and what it recomputes."""
-    reasons = keep_reasons(tg, checkpoint_prefix)
+    reasons = keep_reasons(tg, keep_prefix)
     kept, counts, recomputed = {}, {}, Counter()
     for n in saved_nodes(tg):
         if n in reasons:

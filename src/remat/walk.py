@@ -15,79 +15,14 @@ import functools
 import torch
 from torch import nn
 
-from remat.capture import TrainGraph, head_loss, prepare, trace
-
-
-def state_shapes(model: nn.Module, batch: int, ctx: int) -> dict[str, tuple[int, ...]]:
-    """Name -> shape of every cache and state tensor the walk keeps for a window of `ctx` tokens."""
-    c = model.config
-    shapes: dict[str, tuple[int, ...]] = {}
-    for i, kind in enumerate(getattr(c, "layer_types", None) or ["full_attention"] * c.num_hidden_layers):
-        if kind == "linear_attention":
-            conv_dim = 2 * c.linear_key_head_dim * c.linear_num_key_heads + c.linear_value_head_dim * c.linear_num_value_heads
-            shapes[f"conv.{i}"] = (batch, conv_dim, c.linear_conv_kernel_dim)
-            shapes[f"recurrent.{i}"] = (batch, c.linear_num_value_heads, c.linear_key_head_dim, c.linear_value_head_dim)
-        elif kind == "full_attention":
-            head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
-            shapes[f"k.{i}"] = shapes[f"v.{i}"] = (batch, c.num_key_value_heads, ctx, head_dim)
-        else:
-            raise ValueError(f"the walk path does not support layers of type {kind!r}")
-    return shapes
+from remat.capture import trace
+from remat.graph import TrainGraph
+from remat.hf import WalkCache, head_loss, prepare, state_shapes
 
 
 def new_state(model: nn.Module, batch: int, ctx: int) -> dict[str, torch.Tensor]:
     dtype, device = next(model.parameters()).dtype, next(model.parameters()).device
     return {k: torch.zeros(s, dtype=dtype, device=device) for k, s in state_shapes(model, batch, ctx).items()}
-
-
-class WalkCache:
-    """The cache interface transformers' attention and gated delta-net layers call, over placeholder tensors."""
-
-    is_compileable = False
-
-    def __init__(self, state: dict[str, torch.Tensor], offset: torch.Tensor, chunk: int):
-        self.state, self.offset = state, offset
-        self.positions = offset + torch.arange(chunk, device=offset.device)
-
-    # attention layers
-    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
-        keys, values = self.state[f"k.{layer_idx}"], self.state[f"v.{layer_idx}"]
-        keys.index_copy_(2, self.positions, key_states)
-        values.index_copy_(2, self.positions, value_states)
-        return keys, values
-
-    def get_query_offset(self, layer_idx: int = 0) -> torch.Tensor:
-        return self.offset
-
-    def get_mask_sizes(self, query_length: int, layer_idx: int = 0) -> tuple[int, int]:
-        return next(t for k, t in self.state.items() if k.startswith("k.")).shape[2], 0
-
-    def get_seq_length(self, layer_idx: int = 0) -> torch.Tensor:
-        return self.offset
-
-    # gated delta-net layers
-    def get_conv_state(self, layer_idx: int, state_idx: int = 0) -> torch.Tensor:
-        return self.state[f"conv.{layer_idx}"]
-
-    def get_recurrent_state(self, layer_idx: int, state_idx: int = 0) -> torch.Tensor:
-        # A copy: the delta rule's backward needs the state as it was at the chunk's start,
-        # and this chunk overwrites the buffer in place (autograd refuses a saved tensor that
-        # changed). The copy reads the buffer before that write, so the rewrite keeps it.
-        return self.state[f"recurrent.{layer_idx}"].clone()
-
-    def is_recording_past(self, layer_idx: int) -> bool:
-        return False
-
-    def update_conv_state(self, conv_input: torch.Tensor, layer_idx: int, conv_kernel_size: int, **kwargs):
-        conv = self.state[f"conv.{layer_idx}"]
-        full = torch.cat([conv, conv_input], dim=-1)  # the previous chunk's last columns, then this chunk
-        conv.copy_(full[..., -conv_kernel_size:].detach())
-        return full
-
-    def update_recurrent_state(self, recurrent: torch.Tensor, layer_idx: int, **kwargs) -> torch.Tensor:
-        state = self.state[f"recurrent.{layer_idx}"]
-        state.copy_(recurrent.detach())
-        return state
 
 
 def chunk_loss(model: nn.Module, *inputs: torch.Tensor, names: list[str], loss_chunk: int) -> torch.Tensor:

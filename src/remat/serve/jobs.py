@@ -23,30 +23,34 @@ import json
 import logging
 import math
 import os
+import re
 import secrets
 import shutil
 import sqlite3
 import threading
 import time
 from collections.abc import Iterator
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 
-from remat import adapters, checkpoints, data, models, train
-from remat.capture import EagerStridesFakeMode
-from remat.plan import GateRefused, Plan, available_memory, gate
+from pydantic import ValidationError
+
+from remat import adapters, checkpoints, data, models, step, train
+from remat.plan import Plan, available_memory, gate
+from remat.serve.errors import ApiError, invalid, parse
 from remat.serve.scheduler import Scheduler, Totals
+from remat.serve.schemas import MAX_SCALE, LoraScale, TrainRequest
+from remat.settings import Cancelled, GateRefused, TrainSettings, describe, percentile
 
 log = logging.getLogger("remat.serve")
 
 ACTIVE = ("queued", "running")
 FINISHED = ("succeeded", "failed", "cancelled")
 INTERRUPTED = "interrupted"
-MAX_NAME = 64
-# Request fields and the Settings field each one sets; "data", "lora", "recompute" and "name" are special.
-INT_FIELDS = {"epochs": 1, "ctx": 1, "batch": 1, "ubatch": 1, "steps": 1, "save_every": 0, "seed": 0,
-              "accumulate": 1, "loss_chunk": 0}  # field -> smallest value allowed
-IGNORED_FIELDS = ("model",)  # like llama.cpp's server: a server trains the model it serves
+JOB_ID = re.compile(r"job-[0-9a-f]{16}")
+MAX_EVENT_ID = 2**63 - 1  # SQLite's largest integer
+KEEP_CHECKPOINTS = 1  # a running job keeps its latest checkpoint (plus the one being written)
+FILE_MODE, DIR_MODE = 0o644, 0o755  # published adapters are readable by the machine's other users
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS jobs (
@@ -81,22 +85,12 @@ CREATE TABLE IF NOT EXISTS events (
 """
 
 
-class JobError(Exception):
-    """A request the job API refuses; `status` is the HTTP status, `code` names what is wrong."""
-
-    def __init__(self, status: int, code: str, message: str, type: str = "invalid_request_error",
-                 extra: dict | None = None):
-        super().__init__(message)
-        self.status, self.code, self.message, self.type = status, code, message, type
-        self.extra = extra or {}
-
-    def body(self) -> dict:
-        """The error as an OpenAI / llama.cpp style body: {"error": {code, type, message, ...}}."""
-        return {"error": {"code": self.code, "type": self.type, "message": self.message, **self.extra}}
+def _invalid(name: str, message: str) -> ApiError:
+    return invalid(name, message)
 
 
-def _invalid(name: str, message: str) -> JobError:
-    return JobError(400, f"invalid_{name}", message, extra={"param": name})
+def _refused(message: str, extra: dict) -> ApiError:
+    return ApiError(422, message, code="insufficient_memory", type="insufficient_memory", extra=extra)
 
 
 def _dumps(value: object) -> str:
@@ -110,6 +104,20 @@ def _dumps(value: object) -> str:
             return [safe(v) for v in x]
         return x
     return json.dumps(safe(value))
+
+
+def _readable(folder: Path) -> None:
+    """Files 0644 and folders 0755 under `folder` (temporary files are made 0600)."""
+    folder.chmod(DIR_MODE)
+    for p in folder.rglob("*"):
+        p.chmod(DIR_MODE if p.is_dir() else FILE_MODE)
+
+
+def _prune_checkpoints(out: Path, keep: int = KEEP_CHECKPOINTS) -> None:
+    """Delete all but the newest `keep` complete checkpoints of a running job."""
+    found = sorted((int(m[1]), p) for p in out.glob("checkpoint-*") if (m := re.fullmatch(r"checkpoint-(\d+)", p.name)))
+    for _, p in found[:-keep] if keep else found:
+        shutil.rmtree(p, ignore_errors=True)
 
 
 def _one_line(e: BaseException) -> str:
@@ -141,6 +149,7 @@ class JobManager:
         self.state_dir.mkdir(parents=True, exist_ok=True)
         self._tokenizer = tokenizer
         self._config = None
+        self._linears: list[tuple[str, int, int]] | None = None
         self._plans: dict[tuple, dict[str, Plan]] = {}
         self._lock = threading.RLock()  # the database and the fields below
         self._changed = threading.Condition(self._lock)  # a new event, a queued job, closing
@@ -154,6 +163,8 @@ class JobManager:
         self._db.execute("PRAGMA journal_mode=WAL")  # a step event per step: no fsync per commit
         self._db.execute("PRAGMA synchronous=NORMAL")
         self._db.executescript(SCHEMA)
+        # scales outside the bounds (stored by an older server) overflow every sampled completion
+        self._db.execute("UPDATE adapters SET scale = 0 WHERE NOT (abs(scale) <= ?)", (MAX_SCALE,))
         self._recover()
         self._worker = threading.Thread(target=self._work, name="remat-train", daemon=True)
         self._worker.start()
@@ -161,20 +172,20 @@ class JobManager:
     # ------------------------------------------------------------------------------------------ API
 
     def submit(self, req: dict) -> dict:
-        """Validate, plan and gate a job, then queue it; raises JobError (400, 422) when it cannot run."""
+        """Validate, plan and gate a job, then queue it; raises ApiError (400, 422) when it cannot run."""
         self._check_open()
-        s, records, name = self._validate(req)
+        s, records, name = self._settings(req)
         steps = self._check_data(s, records)
-        plans = self._plan(s)
         budget = self.memory_budget or available_memory()
+        self._lora_gate(s, budget)  # from shapes, before PEFT allocates anything
+        plans = self._plan(s)
         try:
             use, reason = gate(plans, budget, s.recompute)
         except GateRefused as e:
-            raise JobError(422, "insufficient_memory", str(e), type="insufficient_memory",
-                           extra={"plans": {k: p.as_dict() for k, p in plans.items()}, "budget": budget}) from None
+            raise _refused(str(e), {"plans": {k: p.as_dict() for k, p in plans.items()}, "budget": budget}) from None
         plan = {"plans": {k: p.as_dict() for k, p in plans.items()}, "recompute": use,
                 "recompute_reason": reason, "budget": budget}
-        settings = {k: v for k, v in asdict(s).items() if k not in ("data", "out", "resume", "memory_budget")}
+        settings = s.model_dump(exclude={"data", "out", "resume", "memory_budget"})
         job_id = f"job-{secrets.token_hex(8)}"
         with self._lock:
             self._db.execute(
@@ -243,7 +254,7 @@ class JobManager:
         with self._lock:
             status = self._row(job_id)["status"]
             if status in FINISHED:
-                raise JobError(409, "job_finished", f"training job {job_id} already {status}")
+                raise ApiError(409, code="job_finished", message=f"training job {job_id} already {status}")
             if job_id in self._queue:
                 self._queue.remove(job_id)
                 self._finish(job_id, "cancelled", "cancelled by request")
@@ -257,6 +268,7 @@ class JobManager:
 
     def events_since(self, job_id: str, after: int = 0) -> list[dict]:
         """The job's events with id > `after`, oldest first: {"id", "event", "data", "created"}."""
+        after = max(-1, min(int(after), MAX_EVENT_ID))
         with self._lock:
             self._row(job_id)
             rows = self._db.execute("SELECT seq, event, data, created FROM events WHERE job_id = ? AND seq > ? "
@@ -284,7 +296,7 @@ class JobManager:
         with self._lock:
             row = self._row(job_id)
             if row["status"] not in ("failed", "cancelled"):
-                raise JobError(409, "not_resumable", f"training job {job_id} is {row['status']}: only a failed "
+                raise ApiError(409, code="not_resumable", message=f"training job {job_id} is {row['status']}: only a failed "
                                "or cancelled job can be resumed")
             plan = json.loads(row["plan"])
             plans = {k: Plan(**{f: v for f, v in p.items() if f != "total"}) for k, p in plan["plans"].items()}
@@ -293,8 +305,7 @@ class JobManager:
                 plan["recompute"], plan["recompute_reason"] = gate(plans, budget,
                                                                     json.loads(row["settings"])["recompute"])
             except GateRefused as e:
-                raise JobError(422, "insufficient_memory", str(e), type="insufficient_memory",
-                               extra={"plans": plan["plans"], "budget": budget}) from None
+                raise _refused(str(e), {"plans": plan["plans"], "budget": budget}) from None
             plan["budget"] = budget
             self._db.execute("UPDATE jobs SET status = 'queued', reason = NULL, finished = NULL, plan = ? "
                              "WHERE id = ?", (_dumps(plan), job_id))
@@ -311,21 +322,15 @@ class JobManager:
 
     def set_scales(self, scales: list[dict]) -> list[dict]:
         """Set adapter scales from [{"id", "scale"}]; adapters not listed go to 0 (as llama.cpp does)."""
-        if not isinstance(scales, list):
-            raise _invalid("scales", "expected a list of {\"id\": int, \"scale\": number}")
+        scales = [parse(LoraScale, item).model_dump() for item in scales]
         with self._lock:
             known = {r["id"] for r in self._db.execute("SELECT id FROM adapters")}
             new = dict.fromkeys(known, 0.0)
             for item in scales:
-                if not isinstance(item, dict) or not isinstance(item.get("id"), int) or isinstance(item["id"], bool):
-                    raise _invalid("id", f"each entry needs an integer id, got {item!r}")
-                scale = item.get("scale", 0.0)
-                if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale):
-                    raise _invalid("scale", f"adapter {item['id']}: scale must be a finite number, got {scale!r}")
                 if item["id"] not in known:
-                    raise JobError(400, "invalid_adapter_id", f"no adapter with id {item['id']}",
+                    raise ApiError(400, f"no adapter with id {item['id']}", code="invalid_adapter_id",
                                    extra={"param": "id"})
-                new[item["id"]] = float(scale)
+                new[item["id"]] = float(item["scale"])
             with self._transaction():
                 self._db.executemany("UPDATE adapters SET scale = ? WHERE id = ?",
                                      [(v, k) for k, v in new.items()])
@@ -345,112 +350,74 @@ class JobManager:
 
     def _check_open(self) -> None:
         if self._closing:
-            raise JobError(503, "shutting_down", "the server is shutting down", type="unavailable_error")
+            raise ApiError(503, code="shutting_down", message="the server is shutting down", type="unavailable_error")
 
     def _model_config(self):
         if self._config is None:
             try:
                 self._config = models.load_config(self.model)
             except models.ModelError as e:
-                raise JobError(500, "model_unavailable", str(e), type="server_error") from None
+                raise ApiError(500, code="model_unavailable", message=str(e), type="server_error") from None
         return self._config
 
-    def _validate(self, req: dict) -> tuple[train.Settings, list[dict], str | None]:
-        if not isinstance(req, dict):
-            raise JobError(400, "invalid_request", "the request must be a JSON object")
-        req = {k: v for k, v in req.items() if v is not None and k not in IGNORED_FIELDS}
-        known = {"data", "lr", "path", "recompute", "lora", "name", *INT_FIELDS}
-        for k in req:
-            if k not in known:
-                raise JobError(400, "unknown_field", f"unknown field {k!r} (known: {', '.join(sorted(known))})",
-                               extra={"param": k})
-        if "data" not in req:
-            raise _invalid("data", "data is required: a list of records ({\"text\": ...}, {\"messages\": [...]} "
-                           "or {\"prompt\": ..., \"completion\": ...})")
+    def _settings(self, req: TrainRequest | dict) -> tuple[TrainSettings, list[dict], str | None]:
+        """The job's TrainSettings, records and name from a request (checked by `TrainRequest`)."""
+        if not isinstance(req, TrainRequest):
+            req = parse(TrainRequest, req)
+        fields = req.model_dump(exclude_unset=True, exclude_none=True)
+        fields.pop("model", None)  # like llama.cpp's server: a server trains the model it serves
+        name = fields.pop("name", None)
         try:
-            records = data.parse_records(req["data"])
+            records = data.parse_records(fields.pop("data"))
         except data.DataError as e:
             raise _invalid("data", str(e)) from None
-
-        ints = {}
-        for k, lowest in INT_FIELDS.items():
-            if k in req:
-                v = req[k]
-                if isinstance(v, float) and v.is_integer():
-                    v = int(v)
-                if isinstance(v, bool) or not isinstance(v, int):
-                    raise _invalid(k, f"{k} must be an integer, got {v!r}")
-                if v < lowest:
-                    raise _invalid(k, f"{k} must be at least {lowest}, got {v}")
-                ints[k] = v
         max_ctx = int(self._model_config().max_position_embeddings)
-        ctx = ints.setdefault("ctx", min(256, max_ctx))
+        ctx = fields.setdefault("ctx", min(256, max_ctx))
         if ctx > max_ctx:
             raise _invalid("ctx", f"ctx {ctx} is above the model's maximum context {max_ctx}")
-
-        path = req.get("path", "ubatch")
-        if path not in ("ubatch", "walk"):
-            raise _invalid("path", f"path must be \"ubatch\" or \"walk\", got {path!r}")
-        ubatch = ints.setdefault("ubatch", min(256, ctx))
-        if path == "walk" and ctx % ubatch:
-            raise _invalid("ubatch", f"ctx {ctx} must be a multiple of ubatch {ubatch} on the walk path")
-
-        lr = req.get("lr")
-        if lr is not None and (isinstance(lr, bool) or not isinstance(lr, (int, float)) or not math.isfinite(lr)
-                               or lr <= 0):
-            raise _invalid("lr", f"lr must be a positive number, got {lr!r}")
-
-        recompute = req.get("recompute", "auto")
-        if isinstance(recompute, bool):
-            recompute = "on" if recompute else "off"
-        if recompute not in ("on", "off", "auto"):
-            raise _invalid("recompute", f"recompute must be true, false or \"auto\", got {req['recompute']!r}")
-
-        name = req.get("name")
-        if name is not None and (not isinstance(name, str) or not name.strip() or len(name) > MAX_NAME):
-            raise _invalid("name", f"name must be a non-empty string of at most {MAX_NAME} characters")
-
-        save_every = ints.pop("save_every", self.save_every)
-        s = train.Settings(model=self.model, path=path, recompute=recompute, lr=float(lr) if lr else None,
-                           save_every=save_every or None, out="<job folder>", **ints, **self._lora(req.get("lora")))
+        fields.setdefault("ubatch", min(256, ctx))
+        recompute = fields.pop("recompute", "auto")
+        fields["recompute"] = ("on" if recompute else "off") if isinstance(recompute, bool) else recompute
+        lora = fields.pop("lora", True)
+        fields["lora"] = lora is not False
+        if isinstance(lora, dict):
+            fields.update({f"lora_{k}": v for k, v in lora.items()})
+        fields.setdefault("save_every", self.save_every or None)
         try:
-            s.check()  # the trainer's own rules, as a backstop
-        except train.UsageError as e:
-            raise JobError(400, "invalid_request", str(e).replace("--", "")) from None
+            s = TrainSettings(model=self.model, out="<job folder>", **fields)
+        except ValidationError as e:
+            raise ApiError(400, describe(e, flags=False), code="invalid_request") from None
         return s, records, name
 
-    @staticmethod
-    def _lora(lora: object) -> dict:
-        if lora is None or lora is True:
-            return {"lora": True}
-        if lora is False:
-            return {"lora": False}  # full fine-tuning
-        if not isinstance(lora, dict):
-            raise _invalid("lora", f"lora must be an object {{r, alpha, dropout, targets}} or false, got {lora!r}")
-        unknown = set(lora) - {"r", "alpha", "dropout", "targets"}
-        if unknown:
-            raise _invalid("lora", f"unknown lora field(s): {', '.join(sorted(unknown))}")
-        out: dict = {"lora": True}
-        r = lora.get("r", 8)
-        if isinstance(r, bool) or not isinstance(r, int) or r < 1:
-            raise _invalid("lora", f"lora.r must be a positive integer, got {r!r}")
-        out["lora_r"] = r
-        for key, low, high in (("alpha", 0.0, math.inf), ("dropout", 0.0, 1.0)):
-            if key in lora:
-                v = lora[key]
-                ok = not isinstance(v, bool) and isinstance(v, (int, float)) and math.isfinite(v)
-                if not ok or not (low < v if key == "alpha" else low <= v < high):
-                    raise _invalid("lora", f"lora.{key} must be {'positive' if key == 'alpha' else 'in [0, 1)'}, "
-                                   f"got {v!r}")
-                out[f"lora_{key}"] = float(v)
-        targets = lora.get("targets")
-        if targets is not None:
-            if not isinstance(targets, list) or not targets or not all(isinstance(t, str) and t for t in targets):
-                raise _invalid("lora", f"lora.targets must be a non-empty list of module names, got {targets!r}")
-            out["lora_targets"] = list(targets)
-        return out
+    def _lora_gate(self, s: TrainSettings, budget: int) -> None:
+        """Refuse (422) a LoRA whose own weights, grads and AdamW states exceed the budget, from the base
+        model's linear shapes alone, before PEFT allocates the adapter to plan it."""
+        if not s.lora:
+            return
+        targets = s.lora_targets
+        n = sum(s.lora_r * (i + o) for name, i, o in self._linear_shapes()
+                if (name.rsplit(".", 1)[-1] != "lm_head" if targets is None
+                    else any(name == t or name.endswith("." + t) for t in targets)))
+        need = n * 4 * 4  # fp32 weight, grad and two AdamW states per adapter parameter
+        if need > budget:
+            raise _refused(f"a LoRA of rank {s.lora_r} needs {need / 2**20:,.1f} MiB for its weights, grads and "
+                           f"optimizer states alone, over the budget of {budget / 2**20:,.1f} MiB: "
+                           "lower lora.r or target fewer layers", {"budget": budget, "lora_bytes": need})
 
-    def _check_data(self, s: train.Settings, records: list[dict]) -> int | None:
+    def _linear_shapes(self) -> list[tuple[str, int, int]]:
+        """(name, in, out) of every linear layer of the served model, from a model built on fake tensors."""
+        if self._linears is None:
+            import torch
+
+            from remat.capture import EagerStridesFakeMode
+
+            with self._planning(), EagerStridesFakeMode(allow_non_fake_inputs=True):
+                model = models.build_from_config(self._model_config(), seed=0)
+            self._linears = [(n, m.in_features, m.out_features) for n, m in model.named_modules()
+                             if isinstance(m, torch.nn.Linear)]
+        return self._linears
+
+    def _check_data(self, s: TrainSettings, records: list[dict]) -> int | None:
         """Tokenize and window the data as the trainer will; returns the job's optimizer steps."""
         tokenizer = self._tokenizer
         if tokenizer is None and self.model in models.TRAINABLE_PRESETS:
@@ -467,7 +434,7 @@ class JobManager:
                            f"epoch ({len(windows) // s.batch})")
         return min(s.steps or per_epoch * s.epochs, per_epoch * s.epochs)
 
-    def _plan(self, s: train.Settings) -> dict[str, Plan]:
+    def _plan(self, s: TrainSettings) -> dict[str, Plan]:
         """Plans (recompute off/on) of the graph the job will run, traced on fake tensors: no weights."""
         lora = (s.lora_r, s.lora_alpha, s.lora_dropout, tuple(s.lora_targets or ())) if s.lora else None
         key = (s.path, s.batch, s.ctx, s.ubatch if s.path == "walk" else None, s.loss_chunk, lora)
@@ -476,19 +443,14 @@ class JobManager:
         config = self._model_config()
         with self._planning():
             try:
-                with EagerStridesFakeMode(allow_non_fake_inputs=True):
-                    model = models.build_from_config(config, seed=s.seed)
-                if s.lora:  # outside the fake mode: PEFT cannot swap fake weights, and the adapter is small
-                    model = adapters.apply_lora(model, adapters.LoraSettings(
-                        s.lora_r, s.lora_alpha, s.lora_dropout, s.lora_targets), seed=s.seed)
-                plans = train.plans_for(model, s)
+                plans = step.plans(step.planning_model(config, s), step.StepShape.of(s))
             except adapters.AdapterError as e:
                 raise _invalid("lora", str(e)) from None
             except models.ModelError as e:
-                raise JobError(500, "model_unavailable", str(e), type="server_error") from None
+                raise ApiError(500, code="model_unavailable", message=str(e), type="server_error") from None
             except Exception as e:  # a model the planner cannot trace: say so, do not crash the server
                 log.exception("planning failed")
-                raise JobError(500, "plan_failed", f"cannot plan this job: {_one_line(e)}",
+                raise ApiError(500, code="plan_failed", message=f"cannot plan this job: {_one_line(e)}",
                                type="server_error") from None
         self._plans[key] = plans
         return plans
@@ -544,7 +506,7 @@ class JobManager:
         resume = self._checkpoint(job_id)
         if resume is None and out.exists():
             shutil.rmtree(out)  # leftovers of a run that saved no checkpoint: start over
-        s = train.Settings(**stored, data=records, out=str(out), memory_budget=budget,
+        s = TrainSettings(**stored, data=records, out=str(out), memory_budget=budget,
                            resume=str(resume.path) if resume else None)
         with self._lock:
             self._event(job_id, "started", {"resumed_from_step": resume.step if resume else None})
@@ -586,6 +548,7 @@ class JobManager:
             opened = time.monotonic()
 
         def on_step(event: dict) -> None:
+            _prune_checkpoints(out)
             run.losses = run.losses[:event["step"] - 1] + [event["loss"]]
             progress = {"epoch": event["epoch"], "step": event["step"], "steps": event["steps"],
                         "losses": run.losses, **self._timings(run)}
@@ -597,10 +560,11 @@ class JobManager:
         self._torch.acquire()
         held = True
         try:
-            receipt = train.finetune(s, progress=False, hooks=train.Hooks(before_chunk=before_chunk, on_step=on_step))
+            receipt = train.finetune(s, progress=False,
+                                     hooks=train.Hooks(before_chunk=before_chunk, on_step=on_step)).as_dict()
             close_chunk()
             output = self._publish(job_id, s, receipt["outputs"])
-        except train.Cancelled:
+        except Cancelled:
             close_chunk()
             if run.cancel.is_set():
                 self._end(run, "cancelled", "cancelled by request")
@@ -627,7 +591,7 @@ class JobManager:
                                  (next_id, job_id, self._row(job_id)["name"] or job_id, str(output)))
             self._end(run, "succeeded", None, result)
 
-    def _publish(self, job_id: str, s: train.Settings, files: list[str]) -> Path:
+    def _publish(self, job_id: str, s: TrainSettings, files: list[str]) -> Path:
         """Move the trained files into adapters/<id> (or models/<id>) in one rename: whole or absent."""
         final = self.state_dir / ("adapters" if s.lora else "models") / job_id
         final.parent.mkdir(parents=True, exist_ok=True)
@@ -636,6 +600,7 @@ class JobManager:
         tmp.mkdir()
         for f in files:
             os.replace(f, tmp / Path(f).name)
+        _readable(tmp)
         if final.exists():  # left by a crash after the rename, before it was recorded
             shutil.rmtree(final)
         os.replace(tmp, final)
@@ -645,8 +610,8 @@ class JobManager:
         stats = self.scheduler.stats(since=run.mark)
         windows = run.windows
         return {"chunks": len(windows),
-                "window_p50": train.percentile(windows, 0.5) if windows else None,
-                "window_p95": train.percentile(windows, 0.95) if windows else None,
+                "window_p50": percentile(windows, 0.5) if windows else None,
+                "window_p95": percentile(windows, 0.95) if windows else None,
                 "waited_seconds": stats["waited_seconds"], "slowdown_ppm": stats["slowdown_ppm"],
                 "slowdown_source": stats["slowdown_source"]}
 
@@ -677,9 +642,11 @@ class JobManager:
         self._db.execute("COMMIT")
 
     def _row(self, job_id: str) -> sqlite3.Row:
-        row = self._db.execute("SELECT * FROM jobs WHERE id = ?", (str(job_id),)).fetchone()
+        row = None
+        if isinstance(job_id, str) and JOB_ID.fullmatch(job_id):
+            row = self._db.execute("SELECT * FROM jobs WHERE id = ?", (job_id,)).fetchone()
         if row is None:
-            raise JobError(404, "not_found", f"no training job {job_id!r}", type="not_found_error")
+            raise ApiError(404, code="not_found", message=f"no training job {job_id!r}", type="not_found_error")
         return row
 
     def _checkpoint(self, job_id: str) -> checkpoints.Checkpoint | None:

@@ -1,0 +1,123 @@
+"""The TrainGraph contract: a traced train step, the tensors it takes, and a node-by-node runner.
+
+`gm(*trainable, *frozen, *buffers, *inputs) -> (loss, *grads)`: placeholders in that
+order, one role each (see docs/architecture.md, "The TrainGraph contract").
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import fx, nn
+
+from remat.marks import mark_name
+
+ROLES = ("trainable", "frozen", "buffer", "input", "state")
+
+
+def tensors_in(value: object) -> list:
+    """The leaves of a (nested) tuple or list that are tensors, or fx nodes: one pytree walk for both."""
+    if isinstance(value, (torch.Tensor, fx.Node)):
+        return [value]
+    if isinstance(value, (list, tuple)):
+        return [t for v in value for t in tensors_in(v)]
+    return []
+
+
+@dataclass
+class TrainGraph:
+    """A traced train step: `gm(*trainable, *frozen, *buffers, *inputs) -> (loss, *grads)`."""
+
+    gm: fx.GraphModule
+    roles: list[str]  # one per placeholder, in order: see ROLES
+    names: list[str]  # one per placeholder: parameter / buffer / input name
+    boundary: fx.Node  # the last forward node
+    info: dict = field(default_factory=dict)  # options the graph was traced with
+
+    @property
+    def graph(self) -> fx.Graph:
+        return self.gm.graph
+
+    def placeholders(self) -> list[fx.Node]:
+        return [n for n in self.graph.nodes if n.op == "placeholder"]
+
+    def forward_nodes(self) -> list[fx.Node]:
+        nodes = []
+        for n in self.graph.nodes:
+            nodes.append(n)
+            if n is self.boundary:
+                return nodes
+        raise AssertionError("boundary node is not in the graph")
+
+    def forward_set(self) -> set[fx.Node]:
+        return set(self.forward_nodes())
+
+    def marks(self) -> dict[fx.Node, str]:
+        return {n: name for n in self.graph.nodes if (name := mark_name(n)) is not None}
+
+    def __call__(self, *args: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        with torch.no_grad():  # the backward is in the graph: autograd must not record it again
+            loss, *grads = self.gm(*args)
+        return loss, grads
+
+
+@dataclass
+class StepInputs:
+    """The model's tensors split by role, in the placeholder order of the traced graph."""
+
+    trainable: dict[str, torch.Tensor]
+    frozen: dict[str, torch.Tensor]
+    buffers: dict[str, torch.Tensor]
+
+    @classmethod
+    def of(cls, model: nn.Module) -> StepInputs:
+        trainable, frozen = {}, {}
+        for name, p in model.named_parameters():  # tied weights appear once
+            (trainable if p.requires_grad else frozen)[name] = p
+        return cls(trainable, frozen, dict(model.named_buffers()))
+
+    def args(self, *batch: torch.Tensor) -> list[torch.Tensor]:
+        return [*self.trainable.values(), *self.frozen.values(), *self.buffers.values(), *batch]
+
+
+@torch.no_grad()  # the backward is in the graph: autograd must not record it again
+def interpret(gm: fx.GraphModule, args: list, *, on_node=None, on_free=None,
+              keep: set[fx.Node] | frozenset = frozenset()) -> list:
+    """Run `gm` node by node, freeing each value after its last use (unless in `keep`).
+
+    `on_node(node, value, env)` sees every value as it is made, `on_free(node, value)` as
+    it is dropped. This is the slow path used to observe a run (measured memory, verify
+    mode); training calls `gm` itself, which frees values at the same points.
+    """
+    def drop(n: fx.Node) -> None:
+        value = env.pop(n)
+        if on_free is not None:
+            on_free(n, value)
+
+    nodes = list(gm.graph.nodes)
+    last_use: dict[fx.Node, int] = {}
+    for i, n in enumerate(nodes):
+        for a in n.all_input_nodes:
+            last_use[a] = i
+    dies_at: dict[int, list[fx.Node]] = {}
+    for n, i in last_use.items():
+        if n not in keep:
+            dies_at.setdefault(i, []).append(n)
+    env: dict[fx.Node, object] = {}
+    it = iter(args)
+    for i, n in enumerate(nodes):
+        if n.op == "placeholder":
+            env[n] = next(it)
+        elif n.op == "output":
+            return list(fx.node.map_arg(n.args[0], env.__getitem__))
+        else:
+            a, kw = fx.node.map_arg((n.args, n.kwargs), env.__getitem__)
+            env[n] = getattr(gm, n.target) if n.op == "get_attr" else n.target(*a, **kw)
+        if on_node is not None:
+            on_node(n, env[n], env)
+        if not n.users and n not in keep:
+            drop(n)
+        for dead in dies_at.get(i, ()):
+            drop(dead)
+    raise AssertionError("graph has no output")

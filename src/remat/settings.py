@@ -1,0 +1,209 @@
+"""Every setting once: its type, default, bounds and help; the byte parser; the error types.
+
+This module is light (pydantic, no torch): the command line builds its arguments from
+these fields, the server builds its request models from them, and the trainer reads
+them. A new knob is one field here (see CONTRIBUTING.md).
+"""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass
+from importlib import metadata
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, model_validator
+
+try:
+    VERSION = metadata.version("remat")
+except metadata.PackageNotFoundError:  # running from a source tree that was never installed
+    VERSION = "0.0.0+local"
+
+MiB = 1 << 20
+DEFAULT_SLOWDOWN_PPM = 50_000  # training may slow decoding by 5%
+MAX_SEED = 2**63 - 1  # torch.manual_seed's range
+
+
+# ---------------------------------------------------------------------------------------------- errors
+
+
+class RematError(Exception):
+    """An error meant for the user: one line, and the command line's exit code."""
+
+    exit_code = 1
+
+
+class UsageError(RematError, ValueError):
+    """A setting or input that cannot work (bad model, data, adapter, checkpoint or option)."""
+
+    exit_code = 2
+
+
+class GateRefused(RematError):
+    """The job does not fit the budget with any allowed setting; the message gives the figures."""
+
+    exit_code = 3
+
+
+class Cancelled(Exception):
+    """Raised by a `before_chunk` hook to stop training at a chunk boundary (not an error)."""
+
+
+def one_line(e: BaseException, limit: int = 300) -> str:
+    """An exception as one line of at most `limit` characters (its type name when it says nothing)."""
+    text = " ".join(str(e).split())
+    return (text[:limit] + "…" if len(text) > limit else text) or type(e).__name__
+
+
+def percentile(values: list[float], q: float) -> float:
+    """The nearest-rank `q` quantile of `values` (not empty)."""
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, max(0, round(q * (len(ordered) - 1))))]
+
+
+# ---------------------------------------------------------------------------------------------- sizes
+
+_UNITS = {"": MiB, "b": 1, "k": 1 << 10, "kb": 1 << 10, "kib": 1 << 10, "m": MiB, "mb": MiB, "mib": MiB,
+          "g": 1 << 30, "gb": 1 << 30, "gib": 1 << 30, "t": 1 << 40, "tb": 1 << 40, "tib": 1 << 40}
+
+
+def parse_bytes(text: str) -> int:
+    """'512MiB', '2GiB', '1.5G' or a bare number of MiB -> bytes."""
+    s = text.strip().lower().replace(" ", "")
+    number = s.rstrip("abcdefghijklmnopqrstuvwxyz")
+    unit = s[len(number):]
+    try:
+        value = float(number)
+    except ValueError:
+        value = -1.0
+    if unit not in _UNITS or not 0 < value < float("inf"):
+        raise ValueError(f"memory size '{text}' is not a positive size like 512MiB or 8GiB")
+    return int(value * _UNITS[unit])
+
+
+def _bytes(value: object) -> object:
+    return parse_bytes(value) if isinstance(value, str) else value
+
+
+def _comma_list(value: object) -> object:
+    return [t for t in value.split(",") if t] if isinstance(value, str) else value
+
+
+MemorySize = Annotated[int, BeforeValidator(_bytes), Field(gt=0)]
+Names = Annotated[list[str], BeforeValidator(_comma_list), Field(min_length=1)]
+
+
+@dataclass(frozen=True)
+class Cli:
+    """How a field appears on the command line when not as `--field-name VALUE`."""
+
+    flags: tuple[str, ...] = ()
+    action: str | None = None  # argparse action: "store_true", "store_false", "append"
+
+
+# ---------------------------------------------------------------------------------------------- training
+
+
+class TrainSettings(BaseModel):
+    """One training job, as `remat finetune` and `POST /train` take it."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+    model: str | None = Field(None, description="GGUF file, HF safetensors folder, or preset "
+                              "(default: the embedded SmolLM2-135M-Instruct)")
+    data: str | list | None = Field(None, description="text file, JSONL {text}, JSONL chat {messages} or "
+                                    "{prompt, completion} records (default: the bundled corpus)")
+    ctx: int = Field(256, ge=1, description="tokens per window")
+    batch: int = Field(1, ge=1, description="windows per step")
+    epochs: int = Field(1, ge=1, description="passes over the data")
+    steps: int | None = Field(None, ge=1, description="stop after this many optimizer steps")
+    lr: float | None = Field(None, gt=0, allow_inf_nan=False,
+                             description="learning rate (default 1e-3 with LoRA, 1e-4 with full fine-tuning)")
+    seed: int = Field(0, ge=0, le=MAX_SEED, description="seed of the adapter's initial weights and the data order")
+    recompute: Literal["on", "off", "auto"] = Field(
+        "auto", description="on: keep only the l_out checkpoints across the backward; off: keep everything; "
+        "auto: off when that fits the budget, else on")
+    loss_chunk: int = Field(256, ge=0, description="tokens per piece of the loss head, 0 = one piece")
+    path: Annotated[Literal["window", "walk"], BeforeValidator(lambda v: _renamed(v, "ubatch", "window"))] = Field(
+        "window", description="window: one graph per whole window; walk: chunks of --ubatch tokens over a KV cache")
+    ubatch: int = Field(256, ge=1, description="walk: tokens per chunk (llama.cpp's n_ubatch)")
+    accumulate: int = Field(1, ge=1, description="windows per optimizer step")
+    pack: Annotated[bool, Cli(action="store_true")] = Field(
+        False, description="concatenate documents into windows (default: one document per window, padded)")
+    memory_budget: MemorySize | None = Field(None, description="e.g. 2GiB (default: free memory of the device)")
+    out: str | None = Field(None, description="folder for the adapter (PEFT + adapter.gguf), or the model when full")
+    lora: Annotated[bool, Cli(("--full",), "store_false")] = Field(
+        True, description="train a LoRA adapter (--full: fine-tune every weight instead)")
+    lora_r: int = Field(8, ge=1, le=4096, description="LoRA rank")
+    lora_alpha: float = Field(16.0, gt=0, allow_inf_nan=False, description="LoRA alpha (scale alpha / r)")
+    lora_dropout: float = Field(0.0, ge=0, lt=1, description="LoRA dropout")
+    lora_targets: Names | None = Field(None, description="comma-separated module names (default: every linear "
+                                       "layer of the decoder)")
+    save_every: int | None = Field(None, ge=1, description="write a checkpoint every N steps into --out")
+    resume: str | None = Field(None, description="continue from the latest checkpoint in this folder")
+
+    @property
+    def learning_rate(self) -> float:
+        return self.lr if self.lr is not None else (1e-3 if self.lora else 1e-4)
+
+    def optimizer_steps(self, n_windows: int) -> tuple[int, int]:
+        """(steps per epoch, steps of the run) for data giving `n_windows` windows."""
+        per_epoch = n_windows // self.batch // self.accumulate
+        if per_epoch == 0:
+            raise UsageError(f"--accumulate {self.accumulate} needs more batches than the data gives per epoch "
+                             f"({n_windows // self.batch})")
+        return per_epoch, min(self.steps or per_epoch * self.epochs, per_epoch * self.epochs)
+
+    @model_validator(mode="after")
+    def _together(self) -> TrainSettings:
+        if self.save_every is not None and not self.out:
+            raise ValueError("--save-every needs --out")
+        if self.path == "walk" and self.ctx % self.ubatch:
+            raise ValueError(f"--ctx {self.ctx} must be a multiple of --ubatch {self.ubatch} on the walk path")
+        return self
+
+
+def _renamed(value: object, old: str, new: str) -> object:
+    if value == old:
+        warnings.warn(f"'{old}' is now called '{new}'", DeprecationWarning, stacklevel=2)
+        return new
+    return value
+
+
+# ---------------------------------------------------------------------------------------------- serving
+
+
+class ServeSettings(BaseModel):
+    """`remat serve`: the server's own knobs (a job's knobs are TrainSettings)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: str | None = TrainSettings.model_fields["model"]
+    host: str = Field("127.0.0.1", description="address to bind (default 127.0.0.1: this machine only)")
+    port: int = Field(8080, ge=0, le=65535, description="port")
+    api_key: Annotated[list[str], Cli(action="append")] = Field(
+        [], description="require this key (Authorization: Bearer KEY or X-Api-Key); repeatable")
+    parallel: Annotated[int, Cli(("--parallel", "-np"))] = Field(
+        1, ge=1, description="requests that decode at once; more wait")
+    ctx: int | None = Field(None, ge=1, description="context size for serving (default: the model's maximum)")
+    max_slowdown_ppm: int = Field(DEFAULT_SLOWDOWN_PPM, ge=0, le=1_000_000,
+                                  description="how much training may slow decoding, in parts per million "
+                                  "(50000 = 5%)")
+    memory_budget: MemorySize | None = Field(None, description="memory for training jobs, e.g. 2GiB "
+                                             "(default: free memory)")
+    state_dir: str = Field("remat-state", description="folder for jobs, their events and adapters")
+    max_body: int = Field(64 << 20, ge=1, description="largest request body in bytes")
+    threads: int | None = Field(None, ge=1, description="torch CPU threads (default: torch's choice)")
+
+
+def describe(e: ValidationError, *, flags: bool) -> str:
+    """A pydantic error as one line: `--ctx: must be ...` (flags) or `ctx: ...` (request fields)."""
+    parts = []
+    for err in e.errors():
+        loc = ".".join(str(x) for x in err["loc"])
+        where = ("--" + loc.replace("_", "-") if flags else loc) if loc else ""
+        msg = err["msg"].removeprefix("Value error, ")
+        got = f" (got {err['input']!r})" if loc and not isinstance(err.get("input"), (dict, list)) else ""
+        parts.append(f"{where}: {msg}{got}" if where else msg)
+    text = "; ".join(parts)
+    return text if flags else text.replace("--", "")
