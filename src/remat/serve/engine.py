@@ -24,18 +24,11 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["Engine", "EngineError", "Generation", "SamplingParams"]
+from remat.serve.errors import ApiError
 
+__all__ = ["Engine", "Generation", "SamplingParams"]
 
-class EngineError(Exception):
-    """A request the engine refuses; rendered as `{"error": {"code", "message", "type", **extra}}`."""
-
-    def __init__(self, status: int, message: str, type: str = "invalid_request_error", *,
-                 code: int | str | None = None, extra: dict | None = None):
-        super().__init__(message)
-        self.status, self.message, self.type = status, message, type
-        self.code = status if code is None else code
-        self.extra = extra or {}
+CHARS_PER_TOKEN = 32  # text longer than this many characters per token of context is refused untokenized
 
 
 @dataclass
@@ -68,8 +61,8 @@ def _one_line(e: BaseException) -> str:
 def sample(logits: torch.Tensor, p: SamplingParams, gen: torch.Generator | None) -> int:
     """One token id from the last position's logits, in llama.cpp's order: top-k, top-p, min-p, temperature."""
     if p.temperature <= 0:
-        return int(torch.argmax(logits))
-    logits = logits.to(torch.float32).clone()
+        return int(torch.argmax(torch.nan_to_num(logits, nan=-math.inf)))
+    logits = torch.nan_to_num(logits.to(torch.float32), nan=-math.inf, posinf=torch.finfo(torch.float32).max)
     if 0 < p.top_k < logits.numel():
         kth = torch.topk(logits, p.top_k).values[-1]
         logits[logits < kth] = -math.inf
@@ -83,7 +76,14 @@ def sample(logits: torch.Tensor, p: SamplingParams, gen: torch.Generator | None)
             logits[order[drop]] = -math.inf
         if p.min_p > 0:
             logits[probs < p.min_p * probs.max()] = -math.inf
-    probs = torch.softmax(logits / p.temperature, dim=-1)
+    # Scaled after subtracting the maximum: no temperature (1e-300, 1e300) overflows to inf - inf.
+    logits = torch.nan_to_num(logits, nan=-math.inf)
+    top = logits.max()
+    if not torch.isfinite(top):  # nothing finite left (an adapter at an extreme scale): the best token
+        return int(torch.argmax(logits))
+    probs = torch.softmax((logits - top) / p.temperature, dim=-1)
+    if not bool(torch.isfinite(probs).all()) or not float(probs.sum()) > 0:
+        return int(torch.argmax(logits))
     return int(torch.multinomial(probs, 1, generator=gen))
 
 
@@ -109,19 +109,23 @@ class _Slots:
     def waiting(self) -> int:
         return len(self.queue)
 
-    def acquire(self, key: object, apply: Callable[[object], None]) -> None:
+    def acquire(self, key: object, apply: Callable[[object], None], cancel: threading.Event | None = None) -> bool:
+        """False (and no slot) when `cancel` is set while waiting."""
         ticket = object()
         with self.cond:
             self.queue.append(ticket)
             try:
                 while not (self.queue[0] is ticket and self.busy < self.parallel
                            and (self.busy == 0 or self.key == key)):
-                    self.cond.wait()
+                    if cancel is not None and cancel.is_set():
+                        return False
+                    self.cond.wait(0.1)
                 if self.key != key:
                     self.key = None  # if applying fails half way, the next request applies its own in full
                     apply(key)
                     self.key = key
                 self.busy += 1
+                return True
             finally:
                 self.queue.remove(ticket)
                 self.cond.notify_all()
@@ -290,42 +294,61 @@ class Engine:
 
     # -- tokens -----------------------------------------------------------------------------------------
 
+    @property
+    def max_chars(self) -> int:
+        """The longest text tokenized for a request: CHARS_PER_TOKEN per token of the context."""
+        return CHARS_PER_TOKEN * self.n_ctx
+
     def tokenize(self, text: str, add_special: bool = False) -> list[int]:
+        if len(text) > self.max_chars:
+            raise ApiError(413, f"the text has {len(text)} characters, more than this server tokenizes at once "
+                           f"({self.max_chars}: {CHARS_PER_TOKEN} per token of its context {self.n_ctx})",
+                           extra={"n_chars": len(text), "max_chars": self.max_chars})
         return list(self.tokenizer.encode(text, add_special_tokens=add_special))
 
     def check_tokens(self, tokens: list[int]) -> None:
         n = self.vocab_size()
         bad = [t for t in tokens if not 0 <= t < n]
         if bad:
-            raise EngineError(400, f"token id {bad[0]} is out of the vocabulary (0..{n - 1})")
+            raise ApiError(400, f"token id {bad[0]} is out of the vocabulary (0..{n - 1})")
 
     def detokenize(self, tokens: list[int]) -> str:
         self.check_tokens(tokens)
         return self.tokenizer.decode(tokens, skip_special_tokens=False)
 
     def chat_prompt(self, messages: list[dict]) -> tuple[str, list[int]]:
+        self.check_text(sum(len(m["content"]) for m in messages))
         try:
             text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
         except Exception as e:  # noqa: BLE001 - a template that rejects these messages (roles, order)
-            raise EngineError(400, f"cannot apply the chat template: {_one_line(e)}") from None
+            raise ApiError(400, f"cannot apply the chat template: {_one_line(e)}") from None
+        self.check_text(len(text))
         return text, self.tokenize(text, add_special=False)  # the template writes any BOS itself
+
+    def check_text(self, n_chars: int) -> None:
+        """Refuse a prompt so long it cannot fit the context whatever it tokenizes to, before tokenizing."""
+        if n_chars > self.max_chars:
+            raise ApiError(400, f"the request exceeds the available context size ({n_chars} characters of prompt, "
+                           f"over {CHARS_PER_TOKEN} per token of the context {self.n_ctx}): shorten the prompt",
+                           type="exceed_context_size_error", extra={"n_prompt_chars": n_chars, "n_ctx": self.n_ctx})
 
     def prompt_ids(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, str):
+            self.check_text(len(prompt))
             ids = self.tokenize(prompt, add_special=True)
         else:
             self.check_tokens(prompt)
             ids = list(prompt)
         if not ids:
-            raise EngineError(400, "the prompt is empty")
+            raise ApiError(400, "the prompt is empty")
         return ids
 
     def check_context(self, ids: list[int]) -> None:
         if len(ids) >= self.n_ctx:
-            raise EngineError(
+            raise ApiError(
                 400, f"the request exceeds the available context size ({len(ids)} prompt tokens, "
                      f"context {self.n_ctx}): shorten the prompt",
-                "exceed_context_size_error", extra={"n_prompt_tokens": len(ids), "n_ctx": self.n_ctx})
+                type="exceed_context_size_error", extra={"n_prompt_tokens": len(ids), "n_ctx": self.n_ctx})
 
     # -- adapters ---------------------------------------------------------------------------------------
 
@@ -339,7 +362,7 @@ class Engine:
             for entry in override:
                 i = entry.get("id")
                 if i not in known:
-                    raise EngineError(400, f"lora: no adapter with id {i} (GET /lora-adapters lists them)")
+                    raise ApiError(400, f"lora: no adapter with id {i} (GET /lora-adapters lists them)")
                 scales[i] = float(entry.get("scale", 1.0))
         return tuple((i, s, str(known[i]["path"])) for i, s in sorted(scales.items()) if s != 0)
 
@@ -350,7 +373,7 @@ class Engine:
         if adapter_id in self._loaded:  # the same id at a new path: replace it
             self._peft.delete_adapter(self._loaded.pop(adapter_id)[0])
         if not (Path(path) / "adapter_config.json").is_file():
-            raise EngineError(400, f"adapter {adapter_id} cannot be loaded: '{path}' has no adapter_config.json")
+            raise ApiError(400, f"adapter {adapter_id} cannot be loaded: '{path}' has no adapter_config.json")
         try:
             # low_cpu_mem_usage: the LoRA layers are made empty and filled from the file, with no random
             # init, so loading never draws from the global RNG a training job may be using.
@@ -359,10 +382,10 @@ class Engine:
                                                             is_trainable=False, low_cpu_mem_usage=True)
             else:
                 self._peft.load_adapter(path, adapter_name=name, is_trainable=False, low_cpu_mem_usage=True)
-        except EngineError:
+        except ApiError:
             raise
         except Exception as e:  # noqa: BLE001 - PEFT raises many kinds; all mean it does not fit
-            raise EngineError(400, f"adapter {adapter_id} does not fit the served model: {_one_line(e)}") from None
+            raise ApiError(400, f"adapter {adapter_id} does not fit the served model: {_one_line(e)}") from None
         self._loaded[adapter_id] = (name, path)
 
     def _apply_lora(self, key: tuple[tuple[int, float, str], ...]) -> None:
@@ -410,7 +433,8 @@ class Engine:
     def _decode(self, g: Generation) -> Iterator[str]:
         p = g.params
         key = self.lora_key(p.lora)
-        self.slots.acquire(key, self._apply_lora)
+        if not self.slots.acquire(key, self._apply_lora, g.cancel):
+            return  # the client left while waiting
         sched = self.scheduler
         if sched is not None:
             sched.decode_begin()

@@ -296,8 +296,8 @@ class JobManager:
         with self._lock:
             row = self._row(job_id)
             if row["status"] not in ("failed", "cancelled"):
-                raise ApiError(409, code="not_resumable", message=f"training job {job_id} is {row['status']}: only a failed "
-                               "or cancelled job can be resumed")
+                raise ApiError(409, f"training job {job_id} is {row['status']}: only a failed or cancelled job "
+                               "can be resumed", code="not_resumable")
             plan = json.loads(row["plan"])
             plans = {k: Plan(**{f: v for f, v in p.items() if f != "total"}) for k, p in plan["plans"].items()}
             budget = self.memory_budget or available_memory()

@@ -1,0 +1,48 @@
+"""The OpenAPI document, true to the server: validation errors are 400 with the error model (FastAPI's
+default 422 `HTTPValidationError` is never sent), and the middleware's answers (401, 408, 413) are listed."""
+
+from __future__ import annotations
+
+from fastapi import FastAPI
+from fastapi.openapi.utils import get_openapi
+
+from remat.serve.errors import DESCRIPTIONS
+from remat.serve.middleware import PUBLIC_PATHS
+
+_ERROR_REF = {"$ref": "#/components/schemas/ErrorResponse"}
+
+
+def _error(status: int) -> dict:
+    return {"description": DESCRIPTIONS[status], "content": {"application/json": {"schema": _ERROR_REF}}}
+
+
+def _fix_operation(path: str, method: str, op: dict, keys: bool) -> None:
+    answers = op.setdefault("responses", {})
+    default_422 = answers.get("422", {}).get("content", {}).get("application/json", {}).get("schema", {})
+    if "HTTPValidationError" in default_422.get("$ref", ""):
+        del answers["422"]
+        answers.setdefault("400", _error(400))
+    if "requestBody" in op:
+        answers.setdefault("400", _error(400))  # malformed JSON, a bad Content-Length
+        answers.setdefault("408", _error(408))
+        answers.setdefault("413", _error(413))
+    if keys and path not in PUBLIC_PATHS:
+        answers.setdefault("401", _error(401))
+
+
+def document(app: FastAPI, keys: bool) -> dict:
+    """The app's OpenAPI document, made once."""
+    if app.openapi_schema is None:
+        doc = get_openapi(title=app.title, version=app.version, description=app.description, routes=app.routes)
+        for path, ops in doc.get("paths", {}).items():
+            for method, op in ops.items():
+                _fix_operation(path, method, op, keys)
+        schemas = doc.get("components", {}).get("schemas", {})
+        for name in ("HTTPValidationError", "ValidationError"):
+            schemas.pop(name, None)
+        app.openapi_schema = doc
+    return app.openapi_schema
+
+
+def install(app: FastAPI, keys: bool) -> None:
+    app.openapi = lambda: document(app, keys)

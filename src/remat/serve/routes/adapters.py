@@ -1,0 +1,24 @@
+"""GET/POST /lora-adapters (llama.cpp's shape): finished LoRA adapters and their global scales."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter
+from starlette.concurrency import run_in_threadpool
+
+from remat.serve.errors import responses
+from remat.serve.schemas import Adapter, LoraScale
+from remat.serve.state import JobsDep
+
+router = APIRouter(tags=["adapters"])
+
+
+@router.get("/lora-adapters", response_model=list[Adapter], responses=responses(503))
+async def get_adapters(jobs: JobsDep):
+    """Every finished adapter; new ones start at scale 0 (not applied)."""
+    return await run_in_threadpool(jobs.adapters)
+
+
+@router.post("/lora-adapters", response_model=list[Adapter], responses=responses(400, 503))
+async def set_adapters(body: list[LoraScale], jobs: JobsDep):
+    """Set the scales every request decodes with (unless it sends its own `lora`); unlisted adapters go to 0."""
+    return await run_in_threadpool(jobs.set_scales, [x.model_dump() for x in body])

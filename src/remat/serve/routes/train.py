@@ -1,0 +1,93 @@
+"""Training jobs: POST /train, GET /train, GET/DELETE /train/{id}, POST /train/{id}/resume, and the job's
+events as server-sent events (GET /train/{id}/events, resumable with Last-Event-ID)."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+from fastapi import APIRouter, Header, Query, Request
+from starlette.concurrency import run_in_threadpool
+
+from remat.serve import generation as gen
+from remat.serve.errors import ApiError, SafeJSONResponse, responses
+from remat.serve.jobs import FINISHED, MAX_EVENT_ID, JobManager
+from remat.serve.schemas import EventList, Job, JobList, Submitted, TrainRequest
+from remat.serve.state import JobsDep
+
+router = APIRouter(tags=["training"])
+EventId = Annotated[int | None, Query(ge=0, le=MAX_EVENT_ID, description="resume after this event id")]
+
+
+@router.post("/train", status_code=202, response_model=Submitted, responses=responses(400, 422, 503))
+async def train(body: TrainRequest, jobs: JobsDep):
+    """Plan the job on fake tensors and queue it (202 with the plan), or refuse it: 422 `insufficient_memory`
+    with both plans when it cannot fit the budget."""
+    return SafeJSONResponse(await run_in_threadpool(jobs.submit, body), status_code=202)
+
+
+@router.get("/train", response_model=JobList, responses=responses(503))
+async def train_list(jobs: JobsDep):
+    """Every job, oldest first."""
+    return {"object": "list", "data": await run_in_threadpool(jobs.list)}
+
+
+@router.get("/train/{job_id}", response_model=Job, responses=responses(404, 503))
+async def train_get(job_id: str, jobs: JobsDep):
+    """One job: status, progress, losses, plan, timings, its adapter."""
+    return await run_in_threadpool(jobs.get, job_id)
+
+
+@router.delete("/train/{job_id}", response_model=Job, responses=responses(404, 409, 503))
+async def train_cancel(job_id: str, jobs: JobsDep):
+    """Cancel a queued job at once, a running one at its next chunk; 409 when it already finished."""
+    return await run_in_threadpool(jobs.cancel, job_id)
+
+
+@router.post("/train/{job_id}/resume", status_code=202, response_model=Job,
+             responses=responses(404, 409, 422, 503))
+async def train_resume(job_id: str, jobs: JobsDep):
+    """Requeue a failed or cancelled job from its last checkpoint."""
+    return SafeJSONResponse(await run_in_threadpool(jobs.resume, job_id), status_code=202)
+
+
+def _last_event_id(header: str | None, after: int | None) -> int:
+    if header is None:
+        return -1 if after is None else after
+    text = header.strip()
+    if not text.isdigit() or int(text) > MAX_EVENT_ID:
+        raise ApiError(400, f"Last-Event-ID '{header[:40]}' is not an event id (an integer from 0 to {MAX_EVENT_ID})",
+                       extra={"param": "Last-Event-ID"})
+    return int(text)
+
+
+async def _events(jobs: JobManager, job_id: str, after: int, request: Request):
+    last = after
+    yield "retry: 1000\n\n"
+    while True:
+        status = (await run_in_threadpool(jobs.get, job_id)).get("status")
+        batch = await run_in_threadpool(jobs.wait_events, job_id, last, 0.5 if status in FINISHED else 10.0)
+        for ev in batch:
+            last = int(ev["id"])
+            yield gen.sse(ev.get("data", {}), event=ev.get("event", "message"), id=last)
+        if status in FINISHED and not batch:
+            return
+        if not batch:
+            if await request.is_disconnected():
+                return
+            yield ": keep-alive\n\n"
+
+
+@router.get("/train/{job_id}/events", response_model=EventList, responses={
+    200: {"description": "The job's events as server-sent events (`id`, `event`, `data`); with `stream=false`, "
+                         "one JSON list", "content": {"text/event-stream": {"schema": {"type": "string"}}}},
+    **responses(400, 404, 503)})
+async def train_events(job_id: str, request: Request, jobs: JobsDep, after: EventId = None,
+                       stream: bool = True,
+                       last_event_id: Annotated[str | None, Header(max_length=64)] = None):
+    """Progress as server-sent events; `Last-Event-ID` or `?after=N` resumes after event N. The stream ends
+    after the job's last event. `?stream=false`: the events so far as one JSON list."""
+    after = _last_event_id(last_event_id, after)
+    await run_in_threadpool(jobs.get, job_id)  # 404 for an unknown job, before the stream starts
+    if not stream:
+        return {"object": "list", "data": await run_in_threadpool(jobs.events_since, job_id, after)}
+    return gen.event_stream(_events(jobs, job_id, after, request))

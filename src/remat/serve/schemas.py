@@ -1,0 +1,372 @@
+"""The server's request and response bodies as pydantic models: they validate requests and write the
+OpenAPI document (`/openapi.json`), so what the document says is what the server checks.
+
+Requests are strict (a string is not a number, `true` is not 1) except that an integral float (`3.0`)
+is an integer, as JSON Schema has it. Text never holds a lone surrogate (`"\\ud800"`): it cannot be
+tokenized or stored. A training job's fields are `TrainSettings`' fields (one declaration, in
+`remat.settings`), with the JSON forms of `recompute` (true / false / "auto") and `lora` ({r, alpha, ...}).
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Annotated, Any, Literal
+
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, create_model, model_validator
+
+from remat.settings import MAX_SEED, TrainSettings
+
+MAX_SCALE = 100.0  # |adapter scale|: larger ones only overflow the logits
+MAX_TEMPERATURE = 100.0
+MAX_TEXT = 4 << 20  # characters of one text field; the served context bounds prompts far below this
+MAX_NAME = 64
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def _no_surrogate(s: str) -> str:
+    m = _SURROGATE.search(s)
+    if m:
+        raise ValueError(f"lone surrogate \\u{ord(m.group()):04x} at character {m.start()}: not valid Unicode text")
+    return s
+
+
+def _integral(v: object) -> object:
+    if isinstance(v, float) and v.is_integer() and abs(v) < 2**63:
+        return int(v)
+    if isinstance(v, list):
+        return [_integral(x) for x in v]
+    return v
+
+
+Text = Annotated[str, Field(max_length=MAX_TEXT), AfterValidator(_no_surrogate)]
+TokenId = Annotated[int, Field(ge=0, le=2**31 - 1)]
+Seed = Annotated[int, Field(ge=-1, le=MAX_SEED, description="-1: a random seed")]
+Scale = Annotated[float, Field(ge=-MAX_SCALE, le=MAX_SCALE)]
+Temperature = Annotated[float, Field(ge=0, le=MAX_TEMPERATURE, description="0: greedy")]
+Probability = Annotated[float, Field(ge=0, le=1)]
+
+
+class Body(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _integral_floats(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            return {k: _integral(v) for k, v in data.items()}
+        return data
+
+
+# ---------------------------------------------------------------------------------------------------------
+# generation
+
+
+class LoraScale(Body):
+    id: Annotated[int, Field(ge=0, le=2**31 - 1)]
+    scale: Scale = 1.0
+
+
+class CompletionRequest(Body):
+    """llama.cpp's /completion."""
+
+    prompt: Annotated[Text, Field(min_length=1)] | Annotated[list[TokenId], Field(min_length=1)]
+    n_predict: Annotated[int, Field(ge=-1, le=2**31 - 1)] = -1
+    temperature: Temperature = 0.8
+    top_k: Annotated[int, Field(ge=0, le=2**31 - 1)] = 40
+    top_p: Probability = 0.95
+    min_p: Probability = 0.05
+    seed: Seed = -1
+    stop: list[Text] = []
+    stream: bool = False
+    lora: list[LoraScale] | None = None
+    cache_prompt: bool = True  # accepted for llama.cpp clients; every request evaluates its prompt
+    return_tokens: bool = False
+
+
+class StreamOptions(Body):
+    include_usage: bool = False
+
+
+class OpenAIParams(Body):
+    model: Text | None = None  # accepted and ignored: one model is served
+    max_tokens: Annotated[int, Field(ge=0, le=2**31 - 1)] | None = None
+    temperature: Temperature = 0.8
+    top_p: Probability = 0.95
+    top_k: Annotated[int, Field(ge=0, le=2**31 - 1)] = 40
+    min_p: Probability = 0.05
+    seed: Seed | None = None
+    stop: Text | list[Text] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    n: Annotated[int, Field(ge=1, le=1)] = 1
+    user: Text | None = None
+    lora: list[LoraScale] | None = None
+
+
+class CompletionsRequest(OpenAIParams):
+    prompt: Annotated[Text, Field(min_length=1)] | Annotated[list[TokenId], Field(min_length=1)]
+
+
+class TextPart(Body):
+    type: Literal["text"]
+    text: Text
+
+
+class ChatMessage(Body):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: Text | list[TextPart] | None = None
+    name: Text | None = None
+
+
+class ChatRequest(OpenAIParams):
+    messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    max_completion_tokens: Annotated[int, Field(ge=0, le=2**31 - 1)] | None = None
+
+
+class TokenizeRequest(Body):
+    content: Text
+    add_special: bool = False
+    with_pieces: bool = False
+
+
+class DetokenizeRequest(Body):
+    tokens: list[TokenId]
+
+
+# ---------------------------------------------------------------------------------------------------------
+# training: TrainSettings' fields, as JSON
+
+
+class LoraRequest(Body):
+    r: int = TrainSettings.model_fields["lora_r"]
+    alpha: float = TrainSettings.model_fields["lora_alpha"]
+    dropout: float = TrainSettings.model_fields["lora_dropout"]
+    targets: Annotated[list[Annotated[Text, Field(min_length=1)]], Field(min_length=1)] | None = Field(
+        None, description=TrainSettings.model_fields["lora_targets"].description)
+
+
+class Message(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: Text
+    weight: Literal[0, 1] | None = Field(None, description="assistant messages: 0 leaves it out of the loss")
+
+
+class TextRecord(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+    text: Annotated[Text, Field(min_length=1)]
+
+
+class ChatRecord(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+    messages: Annotated[list[Message], Field(min_length=1)]
+
+
+class PromptRecord(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+    prompt: Annotated[Text, Field(min_length=1)] | Annotated[list[Message], Field(min_length=1)]
+    completion: Annotated[Text, Field(min_length=1)] | Annotated[list[Message], Field(min_length=1)]
+
+
+Record = TextRecord | ChatRecord | PromptRecord
+# The knobs a job takes from TrainSettings, by the same name; the rest are the server's to set.
+TRAIN_FIELDS = ("epochs", "steps", "ctx", "batch", "accumulate", "lr", "seed", "path", "ubatch", "loss_chunk",
+                "save_every", "pack")
+
+
+def _optional(name: str) -> tuple[object, object]:
+    info = TrainSettings.model_fields[name]
+    copy = info._copy() if hasattr(info, "_copy") else info
+    copy.default = None  # not sent: the server's default
+    return info.annotation | None, copy
+
+
+TrainFields = create_model("TrainFields", __base__=Body, **{n: _optional(n) for n in TRAIN_FIELDS})
+
+
+class TrainRequest(TrainFields):
+    """A training job (LoRA by default). Unset fields take the server's defaults."""
+
+    data: Annotated[list[Record], Field(min_length=1, description="records: {text}, {messages: [...]} or "
+                                                                  "{prompt, completion}")]
+    name: Annotated[Text, Field(min_length=1, max_length=MAX_NAME, pattern=r"\S")] | None = Field(
+        None, description="a name for the job and its adapter")
+    recompute: bool | Literal["auto", "on", "off"] | None = Field(
+        None, description='true, false or "auto" (default: only when needed to fit)')
+    lora: LoraRequest | bool | None = Field(None, description="{r, alpha, dropout, targets}, or false for full "
+                                                              "fine-tuning")
+    model: Text | None = Field(None, description="ignored: the server trains the model it serves")
+
+
+# ---------------------------------------------------------------------------------------------------------
+# responses
+
+
+class Out(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+
+class Health(Out):
+    status: Literal["ok"]
+
+
+class ModelCard(Out):
+    id: str
+    object: Literal["model"]
+    created: int
+    owned_by: str
+    meta: dict[str, Any]
+
+
+class ModelList(Out):
+    object: Literal["list"]
+    data: list[ModelCard]
+
+
+class Props(Out):
+    model: str
+    model_path: str
+    n_ctx: int
+    total_slots: int
+    parallel: int
+    max_slowdown_ppm: int
+    memory_budget: int | None
+    default_generation_settings: dict[str, Any]
+    chat_template: str | None
+    build_info: str
+
+
+class Timings(Out):
+    prompt_n: int
+    prompt_ms: float
+    predicted_n: int
+    predicted_ms: float
+
+
+class CompletionResponse(Out):
+    index: int
+    content: str
+    tokens: list[int]
+    stop: bool
+    model: str
+    tokens_predicted: int
+    tokens_evaluated: int
+    generation_settings: dict[str, Any]
+    prompt: str
+    truncated: bool
+    stop_type: Literal["none", "eos", "limit", "word"]
+    stopping_word: str
+    timings: Timings
+
+
+class Usage(Out):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class AssistantMessage(Out):
+    role: Literal["assistant"]
+    content: str
+
+
+class TextChoice(Out):
+    index: int
+    text: str
+    finish_reason: Literal["stop", "length"] | None
+
+
+class ChatChoice(Out):
+    index: int
+    message: AssistantMessage
+    finish_reason: Literal["stop", "length"] | None
+
+
+class CompletionsResponse(Out):
+    id: str
+    object: Literal["text_completion"]
+    created: int
+    model: str
+    choices: list[TextChoice]
+    usage: Usage
+
+
+class ChatResponse(Out):
+    id: str
+    object: Literal["chat.completion"]
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+
+
+class Piece(Out):
+    id: int
+    piece: str
+
+
+class TokenizeResponse(Out):
+    tokens: list[int] | list[Piece]
+
+
+class DetokenizeResponse(Out):
+    content: str
+
+
+class Adapter(Out):
+    id: int
+    name: str
+    path: str
+    scale: float
+    job_id: str
+
+
+class Job(Out):
+    id: str
+    object: Literal["train.job"]
+    name: str | None
+    status: Literal["queued", "running", "succeeded", "failed", "cancelled"]
+    reason: str | None
+    step: int
+    steps: int | None
+    losses: list[float | None]
+    plan: dict[str, Any]
+    plans: dict[str, Any]
+    recompute: bool
+    budget: int
+    adapter: dict[str, Any] | None
+    output: str | None
+    resumable: bool
+    checkpoint_step: int | None
+    created: float
+    finished: float | None
+    settings: dict[str, Any]
+
+
+class Submitted(Out):
+    id: str
+    status: Literal["queued"]
+    plan: dict[str, Any]
+    plans: dict[str, Any]
+    recompute: bool
+    recompute_reason: str
+    budget: int
+    steps: int | None
+
+
+class JobList(Out):
+    object: Literal["list"]
+    data: list[Job]
+
+
+class Event(Out):
+    id: int
+    event: str
+    data: dict[str, Any]
+    created: float
+
+
+class EventList(Out):
+    object: Literal["list"]
+    data: list[Event]

@@ -1,0 +1,93 @@
+"""The server's state (the engine, the job manager, the scheduler) on `app.state.server`, and the FastAPI
+dependencies that hand the routes what they need once the model is loaded."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from pathlib import Path
+from typing import Annotated
+
+from fastapi import Depends, Request
+
+from remat.serve.engine import Engine
+from remat.serve.errors import ApiError, one_line
+from remat.serve.jobs import JobManager
+
+log = logging.getLogger("remat.serve")
+
+
+class Server:
+    def __init__(self, *, model: str | None, parallel: int, max_slowdown_ppm: int, memory_budget: int | None,
+                 state_dir: Path, n_ctx: int | None, on_load_error=None):
+        self.model_spec, self.parallel, self.max_slowdown_ppm = model, parallel, max_slowdown_ppm
+        self.memory_budget, self.state_dir, self.n_ctx = memory_budget, Path(state_dir), n_ctx
+        self.on_load_error = on_load_error
+        self.scheduler = None
+        self.jobs: JobManager | None = None
+        self.engine: Engine | None = None
+        self.started = time.time()
+        self.ready = threading.Event()  # the model is loaded and the job state is open
+        self.load_error: str | None = None
+
+    def start(self) -> None:
+        from remat.serve.scheduler import Scheduler
+
+        self.scheduler = Scheduler(max_slowdown_ppm=self.max_slowdown_ppm)
+        self.engine = Engine(self.model_spec, parallel=self.parallel, n_ctx=self.n_ctx, scheduler=self.scheduler,
+                             adapters=self.adapters)
+        threading.Thread(target=self._load, name="remat-load", daemon=True).start()
+
+    def adapters(self) -> list[dict]:
+        return self.jobs.adapters() if self.jobs is not None else []
+
+    def _load(self) -> None:
+        """Load the model, then open the job state (its checks use the served model's tokenizer)."""
+        try:
+            self.engine.load()
+            self.state_dir.mkdir(parents=True, exist_ok=True)
+            self.jobs = JobManager(model=self.model_spec, state_dir=self.state_dir, scheduler=self.scheduler,
+                                   memory_budget=self.memory_budget, tokenizer=self.engine.tokenizer)
+            self.ready.set()
+            log.info("model %s loaded (n_ctx %d)", self.engine.name, self.engine.n_ctx)
+        except Exception as e:  # noqa: BLE001 - reported by /health; the command line stops the server
+            self.load_error = self.engine.load_error or f"{type(e).__name__}: {one_line(e)}"
+            log.error("cannot start: %s", self.load_error)
+            if self.on_load_error is not None:
+                self.on_load_error(self.load_error)
+
+    def stop(self) -> None:
+        if self.jobs is not None:
+            self.jobs.close()
+
+    def check_ready(self) -> None:
+        if not self.ready.is_set():
+            if self.load_error:
+                raise ApiError(500, f"the server failed to start: {self.load_error}", type="server_error")
+            raise ApiError(503, "Loading model", type="unavailable_error")
+
+
+# ---------------------------------------------------------------------------------------------------------
+# dependencies
+
+
+def get_server(request: Request) -> Server:
+    return request.app.state.server
+
+
+def get_engine(request: Request) -> Engine:
+    srv = get_server(request)
+    srv.check_ready()
+    return srv.engine
+
+
+def get_jobs(request: Request) -> JobManager:
+    srv = get_server(request)
+    srv.check_ready()
+    return srv.jobs
+
+
+ServerDep = Annotated[Server, Depends(get_server)]
+EngineDep = Annotated[Engine, Depends(get_engine)]
+JobsDep = Annotated[JobManager, Depends(get_jobs)]
