@@ -142,7 +142,8 @@ class Page:
         self.page.set_default_timeout(30_000)
         self.requests: list[str] = []
         self.errors: list[str] = []
-        self.page.on("request", lambda r: self.requests.append(r.url))
+        self.headers: list[tuple[str, dict]] = []
+        self.page.on("request", lambda r: (self.requests.append(r.url), self.headers.append((r.url, r.headers))))
         self.page.on("pageerror", lambda e: self.errors.append(str(e)))
         self.page.goto(server.url)
 
@@ -200,7 +201,6 @@ def test_chat_streams(page):
     assert int(p.get_attribute(".msg.assistant", "data-pieces")) >= 2  # pieces, not one answer
     assert p.locator("#chat-error").is_hidden()
     assert p.evaluate("window.__remat.chat.length") == 2  # the answer joins the conversation
-    page.shot("chat")
 
 
 def test_train_plan_then_live_loss_curve(page, server):
@@ -229,10 +229,11 @@ def test_train_plan_then_live_loss_curve(page, server):
     steps = job["steps"]
     assert steps > 10
     assert int(p.get_attribute("#job-detail svg.chart", "data-points")) == steps
-    seen = p.evaluate("window.__remat.follow.seen")
-    counts = sorted(set(seen))
-    assert len([c for c in counts if 0 < c < steps]) >= 2, seen  # the curve gained points while it ran
-    assert seen == sorted(seen), seen
+    # The curve gained points while the job ran: drawn with fewer points first, steps arriving on the stream.
+    seen, live = p.evaluate("[window.__remat.follow.seen, window.__remat.follow.live]")
+    assert len(set(seen)) >= 2 and seen == sorted(seen) and seen[-1] == steps, seen
+    assert live > 0
+    p.wait_for_selector(f"#job-list li[data-job='{job_id}'] .status:text('succeeded')")
     metrics = p.inner_text("#job-detail .metrics")
     assert f"{steps} / {steps}" in metrics
     assert "STEPS/S\n—" not in metrics.upper() and "ms" in metrics  # steps/s and the chunk windows
@@ -253,6 +254,12 @@ def test_adapter_scale_slider(page, server):
     page.shot("adapters")
     page.tab("chat")
     p.wait_for_function("() => document.querySelector('#chat-adapters').textContent.includes('×1.50')")
+    p.click("#chat-clear")
+    p.fill("#chat-temp", "0")
+    p.fill("#chat-input", "Where did the cat sit?")
+    p.click("#chat-send")
+    p.wait_for_selector(".msg.assistant[data-done]", timeout=60_000)
+    page.shot("chat")  # the adapter applied: it learnt the cat
     server.request("POST", "/lora-adapters", [{"id": ad, "scale": 0.0}])
 
 
@@ -276,12 +283,22 @@ def test_bad_file_and_refused_records_show_their_messages(page, server):
     p.set_input_files("#t-file", files=[])
 
 
-def test_cancel_and_resume(page, server):
+def test_reconnect_cancel_and_resume(page, server):
     job = server.request("POST", "/train", {"data": [{"text": CAT * 6}], "ctx": 32, "epochs": 400,
                                             "name": "long"})[1]
     page.tab("jobs")
     p = page.page
     p.click(f"#job-list li[data-job='{job['id']}']")
+    p.wait_for_function(f"() => window.__remat.follow.id === '{job['id']}' && window.__remat.follow.live >= 3")
+
+    # The stream drops: the page reconnects with Last-Event-ID and the curve goes on without a gap or a repeat.
+    last = p.evaluate("() => { const f = window.__remat.follow; const id = f.lastId; f.conn.abort(); return id; }")
+    p.wait_for_function(f"() => window.__remat.follow.reconnects >= 1 && window.__remat.follow.lastId > {last}")
+    resent = [h["last-event-id"] for url, h in page.headers if f"/train/{job['id']}/events" in url
+              and "stream=false" not in url]
+    assert len(resent) >= 2 and int(resent[-1]) >= last, resent
+    steps = p.evaluate("window.__remat.follow.points.map((x) => x.step)")
+    assert steps == list(range(1, len(steps) + 1)), steps
     p.locator(f"#job-detail[data-job='{job['id']}'] #job-cancel").click()
     p.wait_for_selector(f"#job-detail[data-job='{job['id']}'][data-status=cancelled]", timeout=60_000)
     p.locator("#job-resume").click()

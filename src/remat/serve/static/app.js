@@ -412,7 +412,7 @@ function planBars(plans, budget, chosen) {
          chosen === k ? el("span", {class: "badge ok"}, "chosen") : null,
          fits === false ? el("span", {class: "badge bad"}, "over budget") : null),
       bar,
-      el("div", {class: "plan-total"}, mib(p.total), el("span", {class: "muted small"}, ` graph ${mib(p.graph)}`)));
+      el("div", {class: "plan-total"}, el("b", {}, mib(p.total)), el("div", {class: "muted small"}, `graph ${mib(p.graph)}`)));
   });
   const legend = el("div", {class: "legend"}, CATEGORIES.filter((c) => keys.some((k) => plans[k][c])).map(
     (c) => el("span", {}, el("i", {class: "c-" + c}), CATEGORY_TEXT[c])),
@@ -426,7 +426,9 @@ function renderPlan(box, job, error) {
   const chosen = error ? null : (job.recompute ? "on" : "off");
   box.append(el("h2", {}, error ? "Refused: the plan does not fit" : "Plan"));
   if (error) {
-    box.append(el("p", {class: "refused"}, error.message));
+    const budget = job.budget ? `the budget ${mib(job.budget)}` : "the budget";
+    box.append(el("p", {class: "refused"}, `Neither plan fits ${budget}: nothing was queued. ` +
+                  "Lower ctx, turn recompute on, or start the server with a larger --memory-budget."));
   } else {
     box.append(el("p", {}, el("b", {}, job.recompute ? "Recompute on" : "Recompute off"), ": ",
                   job.recompute_reason || ""));
@@ -461,9 +463,6 @@ async function refreshJobs() {
     showError("#jobs-error", e);
   }
   const active = S.jobs.filter((j) => !TERMINAL.includes(j.status)).length;
-  const count = $("#active-count");
-  count.hidden = !active;
-  count.textContent = active ? String(active) : "";
   if (S.tab === "jobs" || active) jobsTimer = setTimeout(refreshJobs, active ? 1000 : 3000);
 }
 
@@ -472,6 +471,10 @@ function statusBadge(status) {
 }
 
 function renderJobList() {
+  const active = S.jobs.filter((j) => !TERMINAL.includes(j.status)).length;
+  const count = $("#active-count");
+  count.hidden = !active;
+  count.textContent = active ? String(active) : "";
   const ul = $("#job-list");
   ul.replaceChildren();
   if (!S.jobs.length) { ul.append(el("li", {class: "muted"}, "No jobs yet.")); return; }
@@ -487,7 +490,7 @@ function renderJobList() {
 function followJob(id) {
   if (S.follow) S.follow.ctrl.abort();
   const f = {id, job: S.jobs.find((x) => x.id === id) || null, points: [], lastId: 0, ctrl: new AbortController(),
-             state: "connecting", ended: false, reconnects: 0, seen: []};
+             state: "connecting", ended: false, reconnects: 0, seen: [], live: 0};
   S.follow = f;
   renderJobList();
   renderJob();
@@ -537,13 +540,18 @@ async function streamJob(f) {
     const job = f.job || S.jobs.find((x) => x.id === f.id);
     if (f.ended && job && TERMINAL.includes(job.status)) break;
     f.state = f.reconnects ? "reconnecting" : "connecting";
+    const conn = new AbortController();  // this connection only: aborting it is a dropped connection
+    f.conn = conn;
+    const stop = () => conn.abort();
+    signal.addEventListener("abort", stop);
     try {
       const res = await request("GET", `/train/${encodeURIComponent(f.id)}/events`, undefined,
-                                {signal, headers: {"Last-Event-ID": String(f.lastId)}});
+                                {signal: conn.signal, headers: {"Last-Event-ID": String(f.lastId)}});
       if (!res.ok) throw await readError(res);
       f.state = "live";
       redraw();
       for await (const ev of sse(res)) {
+        if (ev.event === "step") f.live += 1;
         onJobEvent(f, ev, Date.now() / 1000);
         redraw();
       }
@@ -552,6 +560,8 @@ async function streamJob(f) {
       if (signal.aborted) return;
       f.state = "reconnecting";
       if (e instanceof ApiError && e.status && e.status < 500) { showError("#jobs-error", e); return; }
+    } finally {
+      signal.removeEventListener("abort", stop);
     }
     if (f.ended) break;
     f.reconnects += 1;
@@ -559,13 +569,17 @@ async function streamJob(f) {
     await sleep(1000);
   }
   f.state = "ended";
-  try { f.job = await api("GET", `/train/${encodeURIComponent(f.id)}`); } catch (e) { /* the list polls */ }
-  if (S.follow === f) renderJob();
+  try {
+    f.job = await api("GET", `/train/${encodeURIComponent(f.id)}`);
+    const i = S.jobs.findIndex((x) => x.id === f.id);
+    if (i >= 0) S.jobs[i] = f.job;
+  } catch (e) { /* the list polls */ }
+  if (S.follow === f) { renderJob(); renderJobList(); }
   refreshAdaptersQuietly();
 }
 
 function lossChart(f) {
-  const W = 640, H = 240, L = 52, R = 14, T = 14, B = 34;
+  const W = 640, H = 240, L = 60, R = 14, T = 14, B = 34;
   const pts = f.points.filter((p) => typeof p.loss === "number");
   const steps = Math.max(f.steps || (f.job && f.job.steps) || 0, pts.length ? pts[pts.length - 1].step : 0, 1);
   let lo = Math.min(...pts.map((p) => p.loss)), hi = Math.max(...pts.map((p) => p.loss));
