@@ -383,7 +383,7 @@ def test_plan_big_model_from_config_alone(cli):
         result = r.json()
         assert {"model", "ctx", "batch", "path", "plans"} <= set(result), result
         assert (result["model"], result["ctx"], result["batch"], result["path"]) == (
-            "qwen2.5-coder-1.5b", ctx, 1, "ubatch")
+            "qwen2.5-coder-1.5b", ctx, 1, "window")
         assert set(result["plans"]) == {"off", "on"}
         off, on = result["plans"]["off"], result["plans"]["on"]
         assert_plan(off)
@@ -434,6 +434,6 @@ def test_help_does_not_import_torch():
             "    with contextlib.suppress(SystemExit), contextlib.redirect_stdout(io.StringIO()):\n"
             "        remat.cli.parser().parse_args([*argv, '--help'])\n"
             "print(sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'transformers', 'peft')))\n")
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    r = subprocess.run([sys.executable, "-c", code], check=False, capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip() == "[]", r.stdout

@@ -13,9 +13,9 @@ from remat.graph import StepInputs, TrainGraph
 from remat.hf import causal_lm_loss
 from remat.models import build_from_config, load_config, load_model
 from remat.plan import live_at_peak, measure, plan
+from remat.recompute import rewrite
 from remat.settings import TrainSettings
 from remat.step import plan_settings
-from remat.recompute import rewrite
 
 TINY = ("tiny-llama", "tiny-qwen35")
 BATCH, CTX, CHUNK = 2, 64, 16

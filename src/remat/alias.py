@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import operator
 from collections import defaultdict
+from typing import Any
 
 import torch
 from torch import fx
@@ -21,8 +22,8 @@ def schema(node: fx.Node) -> torch.FunctionSchema | None:
     return target._schema if node.op == "call_function" and isinstance(target, torch._ops.OpOverload) else None
 
 
-def _bound_args(node: fx.Node, s: torch.FunctionSchema) -> list[tuple[torch.Argument, object]]:
-    bound = list(zip(s.arguments, node.args))
+def _bound_args(node: fx.Node, s: torch.FunctionSchema) -> list[tuple[torch.Argument, Any]]:
+    bound: list[tuple[torch.Argument, Any]] = list(zip(s.arguments, node.args))
     bound += [(a, node.kwargs[a.name]) for a in s.arguments[len(node.args):] if a.name in node.kwargs]
     return bound
 
@@ -32,7 +33,8 @@ def written(node: fx.Node) -> list[fx.Node]:
     s = schema(node)
     if s is None:
         return []
-    return [n for a, v in _bound_args(node, s) if a.alias_info and a.alias_info.is_write for n in tensors_in(v) if isinstance(n, fx.Node)]
+    return [n for a, v in _bound_args(node, s) if a.alias_info and a.alias_info.is_write
+            for n in tensors_in(v) if isinstance(n, fx.Node)]
 
 
 def view_source(node: fx.Node) -> fx.Node | None:
@@ -57,10 +59,10 @@ def is_mutating(node: fx.Node) -> bool:
 def is_random(node: fx.Node) -> bool:
     """Draws random numbers: a seeded op, unless its dropout probability is zero (attention)."""
     s = schema(node)
-    if s is None or torch.Tag.nondeterministic_seeded not in node.target.tags:
+    if s is None or torch.Tag.nondeterministic_seeded not in getattr(node.target, "tags", ()):
         return False
     p = [a for a in s.arguments if a.name == "dropout_p"]
-    return not p or node.kwargs.get("dropout_p", dict(_bound_args(node, s)).get(p[0], p[0].default_value)) != 0
+    return not p or bool(node.kwargs.get("dropout_p", dict(_bound_args(node, s)).get(p[0], p[0].default_value)) != 0)
 
 
 def roots(graph: fx.Graph) -> dict[fx.Node, fx.Node]:

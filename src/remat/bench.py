@@ -31,11 +31,12 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any, TypeVar
 
 import torch
 from torch import nn
 
-from remat import models
+from remat import models, step
 from remat.graph import StepInputs
 from remat.hf import causal_lm_loss
 from remat.plan import plan
@@ -47,6 +48,8 @@ LABELS = {"remat_off": "A", "remat_on": "B", "torch_checkpoint": "C", "eager": "
 TIME_TARGET_SLACK = 1.05  # B/A step time at most 5% above C/D's
 TIME_TARGET_CPU = 1.35  # and at most 1.35 on CPU
 
+T = TypeVar("T")
+
 
 # ---------------------------------------------------------------------------------------- measuring
 
@@ -56,7 +59,7 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def peak_during(fn: Callable[[], object], device: torch.device) -> tuple[object, int]:
+def peak_during(fn: Callable[[], T], device: torch.device) -> tuple[T, int]:
     """Run `fn()` and return its result and the peak of bytes allocated while it ran, above the start.
 
     CPU: the profiler's allocation and free events, summed in order. CUDA: the allocator's peak
@@ -92,7 +95,7 @@ class Variant:
     model: nn.Module
     step: Callable[[torch.Tensor, torch.Tensor], float]  # forward + backward; leaves grads in p.grad
     setup: Callable[[], None]  # before the first step, outside its measurement (remat: trace, plan)
-    params: list[nn.Parameter]
+    params: list[torch.Tensor]
     loss_note: str
     planned_graph: int | None = None
     planned_cache: int | None = None
@@ -126,7 +129,7 @@ def _remat_variant(name: str, model: nn.Module, s: TrainSettings, recompute: boo
         p = plan(state["graph"])
         v.planned_graph, v.planned_cache = p.graph, (p.cache or None)
 
-    def step(input_ids: torch.Tensor, labels: torch.Tensor) -> float:
+    def train_step(input_ids: torch.Tensor, labels: torch.Tensor) -> float:
         if "runner" not in state:  # the walk's cache is allocated here, inside the measured step
             state["runner"] = BatchRunner(model, state["graph"], s, Hooks())
         runner: BatchRunner = state["runner"]
@@ -143,29 +146,31 @@ def _remat_variant(name: str, model: nn.Module, s: TrainSettings, recompute: boo
     note = f"remat, loss in chunks of {s.loss_chunk}" if s.loss_chunk else "remat, unchunked loss"
     if s.path == "walk":
         note += f", walk in chunks of {s.ubatch}"
-    v = Variant(name, model, step, setup, params, note)
+    v = Variant(name, model, train_step, setup, params, note)
     return v
 
 
 def _eager_variant(name: str, model: nn.Module, checkpoint: bool) -> Variant:
     if checkpoint:
         kwargs = {"use_reentrant": False}
+        hf_model: Any = model
         if hasattr(model, "activation_checkpointing_enable"):  # transformers' newer name
-            model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+            hf_model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
         else:
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+            hf_model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
     params = list(StepInputs.of(model).trainable.values())
 
-    def step(input_ids: torch.Tensor, labels: torch.Tensor) -> float:
+    def train_step(input_ids: torch.Tensor, labels: torch.Tensor) -> float:
         loss = causal_lm_loss(model, input_ids, labels, 0)  # what HF users get: one unchunked cross-entropy
         loss.backward()
         return loss.item()
 
     note = "HF eager, unchunked loss" + (", per-layer torch.utils.checkpoint" if checkpoint else "")
-    return Variant(name, model, step, lambda: None, params, note)
+    return Variant(name, model, train_step, lambda: None, params, note)
 
 
-def random_batches(vocab: int, batch: int, ctx: int, steps: int, seed: int = 0) -> list[tuple[torch.Tensor, ...]]:
+def random_batches(vocab: int, batch: int, ctx: int, steps: int,
+                   seed: int = 0) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """`steps` batches of uniformly random tokens; labels are the next token (the last one is not trained)."""
     g = torch.Generator().manual_seed(seed)
     out = []
@@ -204,7 +209,7 @@ def run_bench(model: str | None, ctx: int, batch: int = 1, steps: int = 3, path:
     loaded = models.load_model(model, seed=seed)
     if ctx > loaded.max_ctx:
         raise UsageError(f"--ctx {ctx} is above the model's maximum context {loaded.max_ctx}")
-    base = loaded.model.to(device)
+    base: nn.Module = loaded.model.to(device)  # type: ignore[arg-type]  # transformers types .to oddly
     copies = [base] + [copy.deepcopy(base) for _ in VARIANTS[1:]]  # the same initial weights, before any use
     variants = [
         _remat_variant("remat_off", copies[0], s, False),
@@ -214,7 +219,8 @@ def run_bench(model: str | None, ctx: int, batch: int = 1, steps: int = 3, path:
     ]
     for v in variants:
         v.optimizer = torch.optim.AdamW(v.params, lr=lr, weight_decay=0.0)
-    data = [tuple(t.to(device) for t in b) for b in random_batches(base.config.vocab_size, batch, ctx, steps, seed)]
+    vocab = loaded.model.config.vocab_size
+    data = [tuple(t.to(device) for t in b) for b in random_batches(vocab, batch, ctx, steps, seed)]
 
     say(f"{loaded.name}, ctx {ctx}, batch {batch}, path {path}, {steps} steps on {device.type}")
     # Off CPU, tensors a step makes without a device (traced example inputs, walk offsets) must land on
@@ -228,6 +234,7 @@ def run_bench(model: str | None, ctx: int, batch: int = 1, steps: int = 3, path:
                     loss, v.measured_peak = peak_during(functools.partial(v.step, input_ids, labels), device)
                 else:
                     loss = v.step(input_ids, labels)
+                assert v.optimizer is not None
                 v.optimizer.step()
                 v.optimizer.zero_grad(set_to_none=True)
                 _sync(device)

@@ -19,11 +19,11 @@ from torch.fx.experimental.proxy_tensor import get_proxy_mode, make_fx
 from remat.graph import StepInputs, TrainGraph
 from remat.hf import causal_lm_loss, prepare
 
-_trace_count = 0  # traces made in this process: an epoch must not trace more than once
+_traces = {"count": 0}  # traces made in this process: an epoch must not trace more than once
 
 
 def trace_count() -> int:
-    return _trace_count
+    return _traces["count"]
 
 
 
@@ -47,7 +47,6 @@ def trace(model: nn.Module, loss_fn, inputs: dict[str, tuple[str, torch.Tensor]]
     buffers the step reads and writes in place (the walk's caches). Placeholders are the
     model's trainable, frozen and buffer tensors, then the inputs in order.
     """
-    global _trace_count
     prepare(model)
     tensors = StepInputs.of(model)
     if not tensors.trainable:
@@ -61,7 +60,9 @@ def trace(model: nn.Module, loss_fn, inputs: dict[str, tuple[str, torch.Tensor]]
     def step(*args: torch.Tensor):
         state = {f"model.{k}": v for k, v in zip(model_names, args[:n_model])}
         loss = torch.func.functional_call(_LossModule(model, loss_fn), state, args[n_model:])
-        boundary.append(list(get_proxy_mode().tracer.graph.nodes)[-1])
+        mode = get_proxy_mode()
+        assert mode is not None, "step() runs under make_fx"
+        boundary.append(list(mode.tracer.graph.nodes)[-1])
         grads = torch.autograd.grad(loss, args[:n_train])
         return (loss, *grads)
 
@@ -74,7 +75,7 @@ def trace(model: nn.Module, loss_fn, inputs: dict[str, tuple[str, torch.Tensor]]
     example = [t if isinstance(t, FakeTensor) else mode.from_tensor(t) for t in example]
     with torch.enable_grad(), mode:
         gm = make_fx(step)(*example)
-    _trace_count += 1
+    _traces["count"] += 1
     return TrainGraph(gm=gm, roles=roles, names=[*model_names, *inputs], boundary=boundary[0], info=info or {})
 
 

@@ -51,8 +51,8 @@ def latest(path: str | os.PathLike) -> Checkpoint:
     root = Path(path)
     if not root.is_dir():
         raise CheckpointError(f"--resume {root}: no such folder")
-    if (root / STATE).is_file() and _NAME.fullmatch(root.name):
-        return Checkpoint(root, int(_NAME.fullmatch(root.name)[1]))
+    if (root / STATE).is_file() and (m := _NAME.fullmatch(root.name)):
+        return Checkpoint(root, int(m[1]))
     found = sorted((int(m[1]), p) for p in root.iterdir() if (m := _NAME.fullmatch(p.name)) and (p / STATE).is_file())
     if not found:
         raise CheckpointError(f"--resume {root}: no complete checkpoint-<step> folder in it")

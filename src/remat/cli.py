@@ -11,22 +11,25 @@ import json
 import os
 import sys
 import warnings
-from typing import Annotated, Literal, get_args, get_origin
+from collections.abc import Callable
+from typing import Annotated, Any, Literal, TypeVar, get_args, get_origin
 
-from pydantic import TypeAdapter, ValidationError
+from pydantic import BaseModel, TypeAdapter, ValidationError
 
-from remat.settings import Cli, RematError, ServeSettings, TrainSettings, UsageError, describe
+from remat.settings import Cli, RematError, Renamed, ServeSettings, TrainSettings, UsageError, describe
 
 # Nothing heavy at import time (torch, transformers): `remat --help` and argument errors answer at once.
 # Every option comes from a field of remat.settings: its type, bounds, default and help are declared there.
 
 EXIT_CHECK_FAILED = 1
+M = TypeVar("M", bound=BaseModel)
 
 
-def _field_type(cls: type, name: str):
+def _field_type(cls: type[BaseModel], name: str) -> Callable[[str], object]:
     """An argparse `type` that validates one field with pydantic, so a bad value is a usage error."""
     info = cls.model_fields[name]
-    adapter = TypeAdapter(Annotated[(info.annotation, *info.metadata)] if info.metadata else info.annotation)
+    annotation: Any = Annotated[(info.annotation, *info.metadata)] if info.metadata else info.annotation
+    adapter = TypeAdapter(annotation)
 
     def parse(text: str):
         try:
@@ -37,7 +40,7 @@ def _field_type(cls: type, name: str):
     return parse
 
 
-def add_fields(p: argparse.ArgumentParser, cls: type, names: str, **defaults: object) -> None:
+def add_fields(p: argparse.ArgumentParser, cls: type[BaseModel], names: str, **defaults: object) -> None:
     """Options for the fields `names` (space-separated) of a settings class; `defaults` override its defaults."""
     for name in names.split():
         info = cls.model_fields[name]
@@ -45,17 +48,18 @@ def add_fields(p: argparse.ArgumentParser, cls: type, names: str, **defaults: ob
         flags = cli.flags or ("--" + name.replace("_", "-"),)
         default = defaults.get(name, info.default)
         shown = "" if default is None or default == [] or isinstance(default, bool) else f" (default {default})"
-        kwargs: dict = {"dest": name, "help": (info.description or "").replace("%", "%%") + shown}
+        kwargs: dict[str, Any] = {"dest": name, "help": (info.description or "").replace("%", "%%") + shown}
         if cli.action in ("store_true", "store_false"):
             p.add_argument(*flags, action=cli.action, default=default, **kwargs)
         else:
             choices = get_args(info.annotation) if get_origin(info.annotation) is Literal else ()
             metavar = "{" + ",".join(choices) + "}" if choices else name.upper()
-            p.add_argument(*flags, type=_field_type(cls, name), default=default, action=cli.action,
-                           metavar=metavar, **kwargs)
+            if cli.action:
+                kwargs["action"] = cli.action
+            p.add_argument(*flags, type=_field_type(cls, name), default=default, metavar=metavar, **kwargs)
 
 
-def settings_from(cls: type, args: argparse.Namespace, **extra: object):
+def settings_from(cls: type[M], args: argparse.Namespace, **extra: object) -> M:
     """The settings object for the parsed options (cross-field rules are checked here)."""
     values = {k: v for k, v in vars(args).items() if k in cls.model_fields} | extra
     try:
@@ -71,7 +75,7 @@ LORA_OPTIONS = "lora lora_r lora_alpha lora_dropout lora_targets"
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="remat", description="Fine-tune language models in less memory.")
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    as_json = {"action": "store_true", "help": "print one JSON object on stdout"}
+    as_json: dict[str, Any] = {"action": "store_true", "help": "print one JSON object on stdout"}
 
     f = sub.add_parser("finetune", help="train a model; prints a receipt")
     add_fields(f, TrainSettings, " ".join(TrainSettings.model_fields))
@@ -109,9 +113,14 @@ def fail(code: int, message: str) -> int:
     return code
 
 
+def _show_warning(message, category, *args, **kwargs) -> None:
+    if issubclass(category, Renamed):  # an old spelling: the user should hear of the new one
+        print(f"remat: warning: {message}", file=sys.stderr)
+
+
 def main(argv: list[str] | None = None) -> int:
+    warnings.showwarning = _show_warning  # library deprecation chatter is not for users; renames are
     args = parser().parse_args(argv)
-    warnings.filterwarnings("ignore", category=FutureWarning)  # library deprecation chatter, not for users
     commands = {"finetune": cmd_finetune, "plan": cmd_plan, "verify": cmd_verify, "export": cmd_export,
                 "serve": cmd_serve, "bench": cmd_bench}
     try:
@@ -177,7 +186,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
         print(f"remat: note: --ctx {s.ctx} is above the model's maximum context {limit}", file=sys.stderr)
     keep = ("off", "on") if args.recompute == "both" else (args.recompute,)
     plans = plan_settings(s, keep)
-    result = {"model": s.model or "default", "ctx": s.ctx, "batch": s.batch, "path": s.path,
+    result: dict[str, Any] = {"model": s.model or "default", "ctx": s.ctx, "batch": s.batch, "path": s.path,
               "loss_chunk": s.loss_chunk, "lora": s.lora, "plans": {k: p.as_dict() for k, p in plans.items()}}
     emit(args, result, table(result["plans"]))
     return 0

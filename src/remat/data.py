@@ -225,8 +225,8 @@ def tokenize(records: list[dict], tokenizer) -> list[Example]:
             examples.append(_tokenize_chat(record["messages"], tokenizer, where))
         elif "prompt" in record and isinstance(record["prompt"], list):
             # Conversational prompt-completion: the prompt's turns are context, even its assistant turns.
-            prompt = [{**m, "weight": 0} if m["role"] == "assistant" else m for m in record["prompt"]]
-            examples.append(_tokenize_chat(prompt + record["completion"], tokenizer, where))
+            turns = [{**m, "weight": 0} if m["role"] == "assistant" else m for m in record["prompt"]]
+            examples.append(_tokenize_chat(turns + record["completion"], tokenizer, where))
         elif "prompt" in record:
             # Encoded apart so the prompt/completion boundary is exact whatever the tokenizer merges.
             prompt = _encode(tokenizer, record["prompt"])

@@ -7,6 +7,7 @@ order, one role each (see docs/architecture.md, "The TrainGraph contract").
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import fx, nn
@@ -72,7 +73,8 @@ class StepInputs:
 
     @classmethod
     def of(cls, model: nn.Module) -> StepInputs:
-        trainable, frozen = {}, {}
+        trainable: dict[str, torch.Tensor] = {}
+        frozen: dict[str, torch.Tensor] = {}
         for name, p in model.named_parameters():  # tied weights appear once
             (trainable if p.requires_grad else frozen)[name] = p
         return cls(trainable, frozen, dict(model.named_buffers()))
@@ -104,7 +106,7 @@ def interpret(gm: fx.GraphModule, args: list, *, on_node=None, on_free=None,
     for n, i in last_use.items():
         if n not in keep:
             dies_at.setdefault(i, []).append(n)
-    env: dict[fx.Node, object] = {}
+    env: dict[fx.Node, Any] = {}
     it = iter(args)
     for i, n in enumerate(nodes):
         if n.op == "placeholder":

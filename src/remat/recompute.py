@@ -125,7 +125,9 @@ def _op(n: fx.Node) -> str:
 def explain(tg: TrainGraph, keep_prefix: str = "l_out") -> Explanation:
     """What the rewrite keeps alive into the backward (and why), and what it recomputes."""
     reasons = keep_reasons(tg, keep_prefix)
-    kept, counts, recomputed = {}, {}, Counter()
+    kept: dict[str, str] = {}
+    counts: dict[str, Counter] = {}
+    recomputed: Counter = Counter()
     for n in saved_nodes(tg):
         if n in reasons:
             kept[n.name] = reasons[n]

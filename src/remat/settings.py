@@ -163,9 +163,13 @@ class TrainSettings(BaseModel):
         return self
 
 
+class Renamed(UserWarning):
+    """An old spelling of a setting, still accepted."""
+
+
 def _renamed(value: object, old: str, new: str) -> object:
     if value == old:
-        warnings.warn(f"'{old}' is now called '{new}'", DeprecationWarning, stacklevel=2)
+        warnings.warn(f"'{old}' is now called '{new}'", Renamed, stacklevel=2)
         return new
     return value
 
@@ -178,7 +182,7 @@ class ServeSettings(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    model: str | None = TrainSettings.model_fields["model"]
+    model: str | None = Field(None, description=TrainSettings.model_fields["model"].description)
     host: str = Field("127.0.0.1", description="address to bind (default 127.0.0.1: this machine only)")
     port: int = Field(8080, ge=0, le=65535, description="port")
     api_key: Annotated[list[str], Cli(action="append")] = Field(

@@ -72,6 +72,7 @@ def lora_settings(s: TrainSettings) -> adapters.LoraSettings | None:
 
 def planning_model(config, s: TrainSettings) -> nn.Module:
     """The model as training would hold it, built on fake tensors: shapes and dtypes, no weights."""
+    model: nn.Module
     with EagerStridesFakeMode(allow_non_fake_inputs=True):
         model = models.build_from_config(config, seed=s.seed)
     lora = lora_settings(s)

@@ -47,12 +47,12 @@ class BatchRunner:
         for t in self.state.values():
             t.zero_()  # a new window: no recurrent state carried in from the last one
         n_targets = (labels != -100).sum().to(torch.float32)
-        loss, grads = 0.0, None
+        loss, grads = 0.0, list[torch.Tensor]()
         for start in range(0, s.ctx, s.ubatch):
             piece = [t[:, start:start + s.ubatch].contiguous() for t in (input_ids, labels)]
             chunk_loss, chunk_grads = self._chunk([*self.state.values(), torch.tensor(start), n_targets, *piece])
             loss += chunk_loss
-            grads = chunk_grads if grads is None else [a.add_(b) for a, b in zip(grads, chunk_grads)]
+            grads = [a.add_(b) for a, b in zip(grads, chunk_grads)] if grads else chunk_grads
         return loss, grads
 
     def _chunk(self, inputs: list[torch.Tensor]) -> tuple[float, list[torch.Tensor]]:
@@ -114,7 +114,7 @@ def finetune(s: TrainSettings, *, progress: bool = True, hooks: Hooks | None = N
     windows = data.load_windows(s.data if s.data is not None else data.default_data_path(),
                                 loaded.tokenizer, s.ctx, s.batch, pack=s.pack)
     per_epoch, total = s.optimizer_steps(len(windows))
-    model = loaded.model
+    model: torch.nn.Module = loaded.model
     lora = step.lora_settings(s)
     if lora is not None:
         model = adapters.apply_lora(model, lora, seed=s.seed)
@@ -137,13 +137,13 @@ def finetune(s: TrainSettings, *, progress: bool = True, hooks: Hooks | None = N
         epoch, i = divmod(n, per_epoch)
         if epoch != epoch_of_batches:
             batches, epoch_of_batches = data.batches(windows, s.batch, seed=s.seed, epoch=epoch), epoch
-        step_loss, grads = 0.0, None
+        step_loss, grads = 0.0, list[torch.Tensor]()
         for input_ids, labels in batches[i * s.accumulate:(i + 1) * s.accumulate]:
             loss, g = runner.run(input_ids, labels)
             step_loss += loss / s.accumulate
-            grads = g if grads is None else [a.add_(b) for a, b in zip(grads, g)]
-        for p, g in zip(params, grads):
-            p.grad = g.div_(s.accumulate) if s.accumulate > 1 else g
+            grads = [a.add_(b) for a, b in zip(grads, g)] if grads else g
+        for p, total_grad in zip(params, grads):
+            p.grad = total_grad.div_(s.accumulate) if s.accumulate > 1 else total_grad
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         losses.append(step_loss)
@@ -151,7 +151,7 @@ def finetune(s: TrainSettings, *, progress: bool = True, hooks: Hooks | None = N
         bar.set_postfix(loss=f"{step_loss:.4f}", tok_s=f"{tokens / (time.perf_counter() - start):.0f}")
         bar.update()
         hooks.on_step({"epoch": epoch, "step": len(losses), "loss": step_loss, "steps": total})
-        if s.save_every and len(losses) % s.save_every == 0:
+        if s.save_every and out and len(losses) % s.save_every == 0:
             saved.append(str(checkpoints.save(out, len(losses), tensors.trainable, optimizer, losses)))
     bar.close()
     elapsed = time.perf_counter() - start
@@ -192,7 +192,8 @@ def save_outputs(model: torch.nn.Module, loaded: models.LoadedModel, s: TrainSet
         if s.lora:
             gguf = models.default_gguf_path() if s.model is None else (
                 Path(s.model) if str(s.model).endswith(".gguf") else None)
-            adapters.save_adapter(model, staging, base_name=s.model or adapters.DEFAULT_BASE, base_gguf=gguf)
+            adapters.save_adapter(model, staging,  # type: ignore[arg-type]  # a PeftModel when s.lora
+                                  base_name=s.model or adapters.DEFAULT_BASE, base_gguf=gguf)
         else:
             loaded.model.save_pretrained(staging, safe_serialization=True)
             loaded.tokenizer.save_pretrained(staging)
