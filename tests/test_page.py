@@ -100,15 +100,14 @@ class Server:
 
 @pytest.fixture(scope="module")
 def servers(tmp_path_factory):
-    """(open server, keyed server with a 64 KiB memory budget), started side by side."""
+    """(open server, keyed server with a 64 KiB memory budget), spawned side by side; each test waits for
+    the one it uses."""
     both = (Server(tmp_path_factory.mktemp("page-open") / "state"),
             Server(tmp_path_factory.mktemp("page-keyed") / "state", "--api-key", KEY, "--memory-budget", "64KiB",
                    key=KEY))
     try:
         for s in both:
             s.spawn()
-        for s in both:
-            s.wait_ready()
         yield both
     finally:
         for s in both:
@@ -117,12 +116,12 @@ def servers(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def server(servers):
-    return servers[0]
+    return servers[0].wait_ready()
 
 
 @pytest.fixture(scope="module")
 def keyed(servers):
-    return servers[1]
+    return servers[1].wait_ready()
 
 
 @pytest.fixture(scope="module")
