@@ -20,10 +20,16 @@ log = logging.getLogger("remat.serve")
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
+# One server-sent event (OpenAPI before 3.2: the schema of a text/event-stream describes each event).
+SSE_EVENT = {"type": "object", "properties": {
+    "data": {"type": "string", "description": "a JSON object (the chunk), or [DONE] at the end of an OpenAI stream"},
+    "event": {"type": "string"}, "id": {"type": "string"}, "retry": {"type": "integer"}}}
+
+
 def streams(model: type, what: str) -> dict:
     """OpenAPI `responses[200]` of a route that answers JSON, or server-sent events with `stream: true`."""
     return {200: {"model": model, "description": f"{what}; with `stream: true`, server-sent events",
-                  "content": {"text/event-stream": {"schema": {"type": "string"}}}}}
+                  "content": {"text/event-stream": {"schema": SSE_EVENT}}}}
 
 
 def sse(data: dict | str, event: str | None = None, id: int | None = None) -> str:

@@ -30,6 +30,24 @@ def _fix_operation(path: str, method: str, op: dict, keys: bool) -> None:
         answers.setdefault("401", _error(401))
 
 
+_BOUNDS = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum")
+_INT64_MAX = 2**63 - 1
+
+
+def _exact_bounds(node: object) -> None:
+    """FastAPI's OpenAPI models hold bounds as floats: 2**63 - 1 becomes 2**63. Make integral bounds
+    integers again (the int64 bounds of seeds and event ids exactly)."""
+    if isinstance(node, dict):
+        for key, value in node.items():
+            if key in _BOUNDS and isinstance(value, float) and value.is_integer():
+                node[key] = min(int(value), _INT64_MAX) if value > 0 else max(int(value), -_INT64_MAX - 1)
+            else:
+                _exact_bounds(value)
+    elif isinstance(node, list):
+        for value in node:
+            _exact_bounds(value)
+
+
 def document(app: FastAPI, keys: bool) -> dict:
     """The app's OpenAPI document, made once."""
     if app.openapi_schema is None:
@@ -40,6 +58,7 @@ def document(app: FastAPI, keys: bool) -> dict:
         schemas = doc.get("components", {}).get("schemas", {})
         for name in ("HTTPValidationError", "ValidationError"):
             schemas.pop(name, None)
+        _exact_bounds(doc)
         app.openapi_schema = doc
     return app.openapi_schema
 

@@ -79,7 +79,7 @@ async def _events(jobs: JobManager, job_id: str, after: int, request: Request):
 
 @router.get("/train/{job_id}/events", response_model=EventList, responses={
     200: {"description": "The job's events as server-sent events (`id`, `event`, `data`); with `stream=false`, "
-                         "one JSON list", "content": {"text/event-stream": {"schema": {"type": "string"}}}},
+                         "one JSON list", "content": {"text/event-stream": {"schema": gen.SSE_EVENT}}},
     **responses(400, 404, 503)})
 async def train_events(job_id: str, request: Request, jobs: JobsDep, after: EventId = None,
                        stream: bool = True,
