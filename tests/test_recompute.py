@@ -41,8 +41,8 @@ def without(*reasons: str):
     """keep_reasons with some rules switched off, to show the rules matter."""
     original = rr.keep_reasons
 
-    def patched(tg, prefix="l_out"):
-        return {n: r for n, r in original(tg, prefix).items() if r not in reasons}
+    def patched(tg, policy=rr.LAYER):
+        return {n: r for n, r in original(tg, policy).items() if r not in reasons}
 
     return patched
 
@@ -298,5 +298,5 @@ def test_explain_accounts_for_every_saved_node(case):
     e = explain(case.tg)
     assert len(e.kept) + sum(e.recomputed.values()) == len(saved_nodes(case.tg))
     assert sum(e.recomputed.values()) <= len(clones_of(case.rt))
-    assert e.counts["prefix"][str(MARK_OP)] == case.model.config.num_hidden_layers
+    assert e.counts["layer"][str(MARK_OP)] == case.model.config.num_hidden_layers
     assert "recomputed" in e.format()

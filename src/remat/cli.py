@@ -83,8 +83,10 @@ def parser() -> argparse.ArgumentParser:
     f.add_argument("--json", **as_json)
 
     pl = sub.add_parser("plan", help="memory plan from the config alone; allocates nothing")
-    add_fields(pl, TrainSettings, f"{MODEL_OPTIONS} {LORA_OPTIONS}", ctx=512)
-    pl.add_argument("--recompute", choices=("on", "off", "both"), default="both")
+    add_fields(pl, TrainSettings, f"{MODEL_OPTIONS} {LORA_OPTIONS} memory_budget", ctx=512)
+    pl.add_argument("--recompute", default="both", metavar="POLICY",
+                    help="both (off and on, the default), a policy (off, on, dots, every:K), or budget / auto: "
+                    "the fastest plan within --memory-budget")
     pl.add_argument("--json", **as_json)
 
     v = sub.add_parser("verify", help="one step comparing every recompute clone with its original")
@@ -178,18 +180,29 @@ def cmd_finetune(args: argparse.Namespace) -> int:
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
-    from remat.models import load_config
-    from remat.step import plan_settings
+    from remat import models, step
+    from remat.plan import available_memory
 
-    s = settings_from(TrainSettings, args, recompute="auto")
-    limit = load_config(s.model).max_position_embeddings
+    which = args.recompute
+    s = settings_from(TrainSettings, args, recompute="auto" if which == "both" else which)
+    limit = models.load_config(s.model).max_position_embeddings
     if s.ctx > limit:  # a plan answers "would it fit"; training there is refused
         print(f"remat: note: --ctx {s.ctx} is above the model's maximum context {limit}", file=sys.stderr)
-    keep = ("off", "on") if args.recompute == "both" else (args.recompute,)
-    plans = plan_settings(s, keep)
     result: dict[str, Any] = {"model": s.model or "default", "ctx": s.ctx, "batch": s.batch, "path": s.path,
-              "loss_chunk": s.loss_chunk, "lora": s.lora, "plans": {k: p.as_dict() for k, p in plans.items()}}
-    emit(args, result, table(result["plans"]))
+                              "loss_chunk": s.loss_chunk, "lora": s.lora}
+    model = step.planning_model(models.load_config(s.model), s)
+    shape = step.StepShape.of(s)
+    if which in ("budget", "auto"):
+        choice = step.choose(model, shape, which, s.memory_budget or available_memory())
+        result |= {"policy": choice.policy, "reason": choice.reason, "plan": choice.plan.as_dict()}
+        plans = choice.plans
+    else:
+        plans = step.plans(model, shape, ("off", "on") if which == "both" else (step.policy_name(which),))
+    result["plans"] = {k: p.as_dict() for k, p in plans.items()}
+    human = table(result["plans"])
+    if "policy" in result:
+        human += f"\nchosen: {result['policy']} ({result['reason']})"
+    emit(args, result, human)
     return 0
 
 
@@ -216,7 +229,7 @@ def cmd_export(args: argparse.Namespace) -> int:
 def cmd_verify(args: argparse.Namespace) -> int:
     import torch
 
-    from remat import models, step
+    from remat import models, policies, step
     from remat.graph import StepInputs
     from remat.recompute import explain, verify
 
@@ -235,11 +248,12 @@ def cmd_verify(args: argparse.Namespace) -> int:
     else:
         human = (f"{result.clones} clones compared; first difference: {d.node} ({d.op}) in {d.mark}, "
                  f"shape {d.shape}, max abs diff {d.max_abs_diff:g}")
-    if args.explain:
-        e = explain(step.build(loaded.model, shape, False))
-        out["explain"] = {"kept": e.kept, "counts": {k: dict(v) for k, v in e.counts.items()},
-                          "recomputed": dict(e.recomputed)}
-        human = e.format() + "\n" + human
+    if args.explain:  # per policy: what each keeps across the backward, and why
+        base = step.build(loaded.model, shape, "off")
+        explained = {name: explain(base, p) for name in ("on", "dots", "every:2") if (p := policies.parse(name))}
+        out["explain"] = {name: {"kept": e.kept, "counts": {k: dict(v) for k, v in e.counts.items()},
+                                 "recomputed": dict(e.recomputed)} for name, e in explained.items()}
+        human = "\n".join(f"policy {name}:\n{e.format()}" for name, e in explained.items()) + "\n" + human
     emit(args, out, human)
     return 0 if result.equal else EXIT_CHECK_FAILED
 

@@ -2,11 +2,12 @@
 
 Rules (docs/architecture.md, "The rewrite"), all in this file:
 1. saved: forward nodes that some backward node reads.
-2. kept (never recomputed): placeholders; marks whose name starts with the prefix;
-   the step's outputs (the loss lives to the end anyway, and the backward's seed
-   reads it); random ops; ops that write in place or have side effects; and any node that reads a
-   root buffer (directly or through views) which an in-place op writes later in the
-   graph: recomputed in backward, it would read the advanced value.
+2. kept (never recomputed), the mandatory rules (`must_keep`): placeholders; the step's
+   outputs (the loss lives to the end anyway, and the backward's seed reads it); random ops;
+   ops that write in place or have side effects; and any node that reads a root buffer
+   (directly or through views) which an in-place op writes later in the graph: recomputed in
+   backward, it would read the advanced value. Then the policy (`remat.policies`) keeps what
+   it saves: by default one `l_out` mark per layer.
 3. every saved, non-kept node is replaced, for its backward users, by a memoised clone
    computed from kept nodes, placed just before its first backward consumer; clones
    placed before one consumer go in their original forward order.
@@ -25,12 +26,14 @@ from remat import alias
 from remat.capture import refresh_meta
 from remat.graph import TrainGraph, interpret, tensors_in
 from remat.marks import mark_name
+from remat.policies import Policy, layer_marks
 
 CLONE_OF = "remat_clone_of"  # node.meta key: the original a clone recomputes
+LAYER = layer_marks()  # `on`: one mark per layer
 
 
-def keep_reasons(tg: TrainGraph, prefix: str = "l_out") -> dict[fx.Node, str]:
-    """Every forward node that must not be recomputed, with why."""
+def must_keep(tg: TrainGraph) -> dict[fx.Node, str]:
+    """The forward nodes that exactness forbids recomputing, with why. These rules always win."""
     graph = tg.graph
     pos = {n: i for i, n in enumerate(graph.nodes)}
     root = alias.roots(graph)
@@ -38,11 +41,8 @@ def keep_reasons(tg: TrainGraph, prefix: str = "l_out") -> dict[fx.Node, str]:
     outputs = set(next(n for n in reversed(graph.nodes) if n.op == "output").all_input_nodes)
     reasons: dict[fx.Node, str] = {}
     for n in tg.forward_nodes():
-        name = mark_name(n)
         if n.op != "call_function":
             reasons[n] = n.op  # placeholder, get_attr
-        elif name is not None and name.startswith(prefix):
-            reasons[n] = "prefix"
         elif n in outputs:
             reasons[n] = "output"
         elif alias.is_random(n):
@@ -54,14 +54,23 @@ def keep_reasons(tg: TrainGraph, prefix: str = "l_out") -> dict[fx.Node, str]:
     return reasons
 
 
+def keep_reasons(tg: TrainGraph, policy: Policy = LAYER) -> dict[fx.Node, str]:
+    """Every forward node that is not recomputed, with why: a mandatory rule, else the policy's name."""
+    reasons = must_keep(tg)
+    for n in tg.forward_nodes():
+        if n not in reasons and policy.saves(n):
+            reasons[n] = policy.name
+    return reasons
+
+
 def saved_nodes(tg: TrainGraph) -> list[fx.Node]:
     fwd = tg.forward_set()
     return [n for n in tg.forward_nodes() if any(u not in fwd for u in n.users)]
 
 
-def rewrite(tg: TrainGraph, keep_prefix: str = "l_out") -> TrainGraph:
+def rewrite(tg: TrainGraph, policy: Policy = LAYER) -> TrainGraph:
     """A new TrainGraph whose backward reads only kept forward nodes and recompute clones."""
-    kept = keep_reasons(tg, keep_prefix)
+    kept = keep_reasons(tg, policy)
     forward = tg.forward_nodes()
     fwd_index = {n: i for i, n in enumerate(forward)}
     new = fx.Graph()
@@ -99,7 +108,7 @@ def rewrite(tg: TrainGraph, keep_prefix: str = "l_out") -> TrainGraph:
     refresh_meta(gm)  # clones need storages of their own, not their originals'
     boundary = env[tg.boundary]
     return TrainGraph(gm=gm, roles=tg.roles, names=tg.names, boundary=boundary,
-                      info={**tg.info, "recompute": keep_prefix})
+                      info={**tg.info, "recompute": policy.name})
 
 
 @dataclass
@@ -122,9 +131,9 @@ def _op(n: fx.Node) -> str:
     return str(n.target) if n.op == "call_function" else n.op
 
 
-def explain(tg: TrainGraph, keep_prefix: str = "l_out") -> Explanation:
+def explain(tg: TrainGraph, policy: Policy = LAYER) -> Explanation:
     """What the rewrite keeps alive into the backward (and why), and what it recomputes."""
-    reasons = keep_reasons(tg, keep_prefix)
+    reasons = keep_reasons(tg, policy)
     kept: dict[str, str] = {}
     counts: dict[str, Counter] = {}
     recomputed: Counter = Counter()

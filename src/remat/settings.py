@@ -120,9 +120,11 @@ class TrainSettings(BaseModel):
     lr: float | None = Field(None, gt=0, allow_inf_nan=False,
                              description="learning rate (default 1e-3 with LoRA, 1e-4 with full fine-tuning)")
     seed: int = Field(0, ge=0, le=MAX_SEED, description="seed of the adapter's initial weights and the data order")
-    recompute: Literal["on", "off", "auto"] = Field(
-        "auto", description="on: keep only the l_out checkpoints across the backward; off: keep everything; "
-        "auto: off when that fits the budget, else on")
+    recompute: str = Field(
+        "auto", pattern=r"^(auto|budget|off|on|layer|dots|every:[1-9][0-9]*)$",
+        description="what the backward recomputes: off (keep everything), on (keep one l_out mark per layer), "
+        "dots (keep matrix products too), every:K (one mark every K layers), budget (the fastest plan within "
+        "--memory-budget), auto (off when that fits, else as budget)")
     loss_chunk: int = Field(256, ge=0, description="tokens per piece of the loss head, 0 = one piece")
     path: Annotated[Literal["window", "walk"], BeforeValidator(lambda v: _renamed(v, "ubatch", "window"))] = Field(
         "window", description="window: one graph per whole window; walk: chunks of --ubatch tokens over a KV cache")

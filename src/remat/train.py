@@ -18,8 +18,8 @@ from tqdm import tqdm
 from remat import adapters, checkpoints, data, models, step, walk
 from remat.files import staged
 from remat.graph import StepInputs, TrainGraph
-from remat.plan import Measured, Plan, available_memory, gate, measure, preflight
-from remat.settings import GateRefused, TrainSettings, UsageError, percentile
+from remat.plan import Measured, available_memory, measure, preflight
+from remat.settings import TrainSettings, UsageError, percentile
 
 
 @dataclass
@@ -74,6 +74,7 @@ class Receipt:
     model: str
     losses: list[float]
     recompute: bool
+    policy: str  # what is saved for the backward: off, on, dots, every:K, or a budget's choice
     recompute_reason: str
     plan: dict[str, int]  # the plan that ran
     plans: dict[str, dict[str, int]]  # the plans the gate needed
@@ -120,8 +121,8 @@ def finetune(s: TrainSettings, *, progress: bool = True, hooks: Hooks | None = N
         model = adapters.apply_lora(model, lora, seed=s.seed)
 
     shape = step.StepShape.of(s)
-    use_recompute, reason, plans = choose_recompute(model, shape, s.recompute, budget)
-    graph = step.build(model, shape, use_recompute)
+    choice = step.choose(model, shape, s.recompute, budget)
+    graph = step.build(model, shape, choice.policy)
     preflight(graph, next(model.parameters()).device)
     tensors = StepInputs.of(model)
     params = list(tensors.trainable.values())
@@ -158,8 +159,9 @@ def finetune(s: TrainSettings, *, progress: bool = True, hooks: Hooks | None = N
     trained = len(losses) - (resume.step if resume else 0)
 
     return Receipt(
-        model=loaded.name, losses=losses, recompute=use_recompute, recompute_reason=reason,
-        plan=plans["on" if use_recompute else "off"].as_dict(), plans={k: p.as_dict() for k, p in plans.items()},
+        model=loaded.name, losses=losses, recompute=choice.policy != "off", policy=choice.policy,
+        recompute_reason=choice.reason, plan=choice.plan.as_dict(),
+        plans={k: p.as_dict() for k, p in choice.plans.items()},
         measured=runner.measured.as_dict() if runner.measured else None,
         trainable_parameters=sum(p.numel() for p in params),
         frozen_parameters=sum(t.numel() for t in tensors.frozen.values()),
@@ -172,18 +174,6 @@ def finetune(s: TrainSettings, *, progress: bool = True, hooks: Hooks | None = N
         checkpoints=saved,
         outputs=save_outputs(model, loaded, s, out) if out else [],
     )
-
-
-def choose_recompute(model: torch.nn.Module, shape: step.StepShape, recompute: str,
-                     budget: int) -> tuple[bool, str, dict[str, Plan]]:
-    """The gate: plan what `recompute` allows and pick what fits `budget` -> (recompute?, why, plans)."""
-    plans = step.plans(model, shape, ("off", "on") if recompute == "auto" else (recompute,))
-    try:
-        use, why = gate(plans, budget, recompute)
-    except GateRefused:
-        gate(step.plans(model, shape), budget, recompute)  # raises again, with both plans in the message
-        raise
-    return use, why, plans
 
 
 def save_outputs(model: torch.nn.Module, loaded: models.LoadedModel, s: TrainSettings, out: Path) -> list[str]:
