@@ -239,6 +239,10 @@ def test_finetune_json_receipt_and_saved_model(cli, tmp_path):
     assert_plan(receipt["plan"])
     assert receipt["plan"] == receipt["plans"]["off"]
     assert type(receipt["measured"]["graph"]) is int and receipt["measured"]["graph"] > 0
+    # the process's own peak, read from /proc, against the kernel's account of the child (wait4's rusage)
+    assert 0.5 * r.maxrss < receipt["process_peak"]["rss"] <= r.maxrss, (receipt["process_peak"], r.maxrss)
+    assert {"off", "on"} <= set(receipt["plans"])  # what recompute would save, even when it did not run
+    assert "recompute off *" in cli("finetune", "--model", "tiny-llama", *TINY, "--steps", "1").out
     assert receipt["seconds_per_epoch"] > 0 and receipt["tokens_per_second"] > 0
     s = receipt["settings"]
     assert (s["model"], s["ctx"], s["batch"], s["steps"], s["epochs"], s["seed"], s["recompute"], s["out"]) == (

@@ -16,7 +16,7 @@ from typing import Annotated, Any, Literal, TypeVar, get_args, get_origin
 
 from pydantic import BaseModel, TypeAdapter, ValidationError
 
-from remat.settings import Cli, RematError, Renamed, ServeSettings, TrainSettings, UsageError, describe
+from remat.settings import Cli, MiB, RematError, Renamed, ServeSettings, TrainSettings, UsageError, describe
 
 # Nothing heavy at import time (torch, transformers): `remat --help` and argument errors answer at once.
 # Every option comes from a field of remat.settings: its type, bounds, default and help are declared there.
@@ -142,12 +142,12 @@ def emit(args: argparse.Namespace, result: dict, human: str) -> None:
     print(json.dumps(result) if args.json else human)
 
 
-def table(plans: dict) -> str:
-    from remat.plan import MiB
-
+def table(plans: dict, ran: str | None = None) -> str:
+    """Plans side by side, in MiB; `ran` marks the one that ran."""
     cats = ["params", "frozen", "grads", "optimizer", "graph", "cache", "total"]
     cols = list(plans)
-    lines = [f"{'MiB':<10}" + "".join(f"{'recompute ' + c:>16}" for c in cols)]
+    heads = [f"recompute {c}" + (" *" if c == ran else "") for c in cols]
+    lines = [f"{'MiB':<10}" + "".join(f"{h:>16}" for h in heads)]
     for cat in cats:
         lines.append(f"{cat:<10}" + "".join(f"{plans[c][cat] / MiB:>16,.1f}" for c in cols))
     if {"on", "off"} <= set(plans):
@@ -166,9 +166,10 @@ def cmd_finetune(args: argparse.Namespace) -> int:
         f"model: {r['model']}  trainable parameters: {r['trainable_parameters']:,}  "
         + f"frozen: {r['frozen_parameters']:,}",
         f"steps: {r['steps']}  losses: {losses}",
-        f"recompute: {'on' if r['recompute'] else 'off'} ({r['recompute_reason']})",
-        table({"on" if r["recompute"] else "off": r["plan"]}),
-        f"measured graph peak: {r['measured']['graph'] / 2**20:,.1f} MiB",
+        f"recompute: {r['policy']} ({r['recompute_reason']})",
+        table(r["plans"], ran=r["policy"]),
+        f"measured: graph peak {r['measured']['graph'] / MiB:,.1f} MiB (planned {r['plan']['graph'] / MiB:,.1f}), "
+        f"process peak RSS {r['process_peak']['rss'] / MiB:,.1f} MiB (planned total {r['plan']['total'] / MiB:,.1f})",
         f"seconds per epoch: {r['seconds_per_epoch']:.2f}  tokens/s: {r['tokens_per_second']:.0f}",
         f"chunks: {r['chunks']}  window p50 {r['window_p50']:.3f} s  p95 {r['window_p95']:.3f} s",
         *([f"chunk windows (s): {' '.join(f'{x:.3f}' for x in r['chunk_seconds'])}"] if r["chunks"] > r["steps"]

@@ -195,6 +195,20 @@ def available_memory(device: torch.device | str = "cpu") -> int:
     raise OSError("cannot read MemAvailable from /proc/meminfo")
 
 
+def process_peak() -> dict[str, int]:
+    """What the whole process has taken at most so far: peak resident set (VmHWM), and on CUDA the
+    allocator's peaks (`max_memory_allocated` in use, `max_memory_reserved` held)."""
+    peak = {}
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                peak["rss"] = int(line.split()[1]) * 1024
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        peak["cuda_allocated"] = torch.cuda.max_memory_allocated()
+        peak["cuda_reserved"] = torch.cuda.max_memory_reserved()
+    return peak
+
+
 def mib(n: int) -> str:
     return f"{n / MiB:,.1f} MiB"
 

@@ -18,7 +18,7 @@ from tqdm import tqdm
 from remat import adapters, checkpoints, data, models, step, walk
 from remat.files import staged
 from remat.graph import StepInputs, TrainGraph
-from remat.plan import Measured, available_memory, measure, preflight
+from remat.plan import Measured, available_memory, measure, preflight, process_peak
 from remat.settings import TrainSettings, UsageError, percentile
 
 
@@ -78,7 +78,8 @@ class Receipt:
     recompute_reason: str
     plan: dict[str, int]  # the plan that ran
     plans: dict[str, dict[str, int]]  # the plans the gate needed
-    measured: dict[str, int] | None
+    measured: dict[str, int] | None  # the graph's peak, observed on the first chunk
+    process_peak: dict[str, int]  # the whole process at the end: peak RSS (and CUDA's allocator peaks)
     trainable_parameters: int
     frozen_parameters: int
     seconds_per_epoch: float
@@ -122,6 +123,8 @@ def finetune(s: TrainSettings, *, progress: bool = True, hooks: Hooks | None = N
 
     shape = step.StepShape.of(s)
     choice = step.choose(model, shape, s.recompute, budget)
+    for other in ("off", "on"):  # the receipt shows what recompute would save (or cost) on this run too
+        choice.plans.setdefault(other, step.plans(model, shape, (other,))[other])
     graph = step.build(model, shape, choice.policy)
     preflight(graph, next(model.parameters()).device)
     tensors = StepInputs.of(model)
@@ -163,6 +166,7 @@ def finetune(s: TrainSettings, *, progress: bool = True, hooks: Hooks | None = N
         recompute_reason=choice.reason, plan=choice.plan.as_dict(),
         plans={k: p.as_dict() for k, p in choice.plans.items()},
         measured=runner.measured.as_dict() if runner.measured else None,
+        process_peak=process_peak(),
         trainable_parameters=sum(p.numel() for p in params),
         frozen_parameters=sum(t.numel() for t in tensors.frozen.values()),
         seconds_per_epoch=elapsed / max(trained, 1) * per_epoch,
