@@ -193,7 +193,7 @@ def test_insufficient_memory_is_422_with_both_plans(tmp_path):
         with pytest.raises(ApiError) as e:
             m.submit({**SMALL, "recompute": False})
         assert e.value.status == 422
-        assert wait_for(m, r["id"], "succeeded")[-1]["event"] == "succeeded"
+        assert wait_for(m, r["id"], "succeeded")[-1]["event"] == "succeeded", m.get(r["id"])["reason"]
         assert m.get(r["id"])["result"]["recompute"] is True  # what ran is what was planned
     finally:
         m.close()

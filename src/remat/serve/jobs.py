@@ -137,6 +137,51 @@ class _Run:
     yielding: bool = False  # waiting in the scheduler for decoding to allow the next chunk
 
 
+class _Chunks:
+    """The running job's hold on the device (the torch lock) and its chunk timings. A chunk lasts from one
+    `before_chunk` to the next: all the trainer does in between holds the device."""
+
+    def __init__(self, manager: JobManager, run: _Run):
+        self.m, self.run = manager, run
+        self.held, self.opened = False, None
+
+    def cancelled(self) -> bool:
+        return self.run.cancel.is_set() or self.m._closing
+
+    def acquire(self) -> None:
+        # the lock is not fair: without this wait a submit could wait behind every chunk of a long job
+        while self.m._planners and not self.cancelled():
+            time.sleep(0.005)
+        self.m._torch.acquire()
+        self.held = True
+
+    def release(self) -> None:
+        if self.held:
+            self.m._torch.release()
+            self.held = False
+
+    def close(self) -> None:
+        if self.opened is not None:
+            seconds = time.monotonic() - self.opened
+            self.m.scheduler.chunk_done(seconds)
+            self.run.windows.append(seconds)
+            self.opened = None
+
+    def before_chunk(self) -> None:
+        self.close()
+        self.release()
+        while self.m._planners and not self.cancelled():  # planners first (see acquire)
+            time.sleep(0.005)
+        self.run.yielding = True
+        try:
+            self.m.scheduler.before_chunk(self.cancelled)
+        finally:
+            self.run.yielding = False
+        self.m._torch.acquire()
+        self.held = True
+        self.opened = time.monotonic()
+
+
 class JobManager:
     def __init__(self, *, model: str | None, state_dir: Path, scheduler: Scheduler,
                  memory_budget: int | None = None, save_every: int = 1, tokenizer=None):
@@ -495,6 +540,31 @@ class JobManager:
                     self._changed.notify_all()
 
     def _train(self, run: _Run) -> None:
+        s, out = self._start(run)
+        chunks = _Chunks(self, run)
+        chunks.acquire()
+        try:
+            hooks = train.Hooks(before_chunk=chunks.before_chunk, on_step=lambda event: self._on_step(run, out, event))
+            receipt = train.finetune(s, progress=False, hooks=hooks).as_dict()
+            chunks.close()
+            output = self._publish(run.job_id, s, receipt["outputs"])
+        except Cancelled:
+            chunks.close()
+            self._end(run, *(("cancelled", "cancelled by request") if run.cancel.is_set() else ("failed", INTERRUPTED)))
+            return
+        except Exception as e:
+            chunks.close()
+            known = (ValueError, GateRefused, MemoryError)  # the project's errors are ValueErrors with one line
+            if not isinstance(e, known):
+                log.exception("training job %s failed", run.job_id)
+            self._end(run, "failed", _one_line(e) if isinstance(e, known) else f"{type(e).__name__}: {_one_line(e)}")
+            return
+        finally:
+            chunks.release()
+        self._succeed(run, s, out, receipt, output)
+
+    def _start(self, run: _Run) -> tuple[TrainSettings, Path]:
+        """Mark the job running; its settings, resuming from its latest checkpoint if it has one."""
         job_id = run.job_id
         with self._lock:
             row = self._row(job_id)
@@ -507,80 +577,22 @@ class JobManager:
         if resume is None and out.exists():
             shutil.rmtree(out)  # leftovers of a run that saved no checkpoint: start over
         s = TrainSettings(**stored, data=records, out=str(out), memory_budget=budget,
-                           resume=str(resume.path) if resume else None)
+                          resume=str(resume.path) if resume else None)
         with self._lock:
             self._event(job_id, "started", {"resumed_from_step": resume.step if resume else None})
         self.scheduler.new_job()
+        return s, out
 
-        held, opened = False, None  # the torch lock; when the running chunk began
+    def _on_step(self, run: _Run, out: Path, event: dict) -> None:
+        _prune_checkpoints(out)  # the trainer saves this step's checkpoint next
+        run.losses = run.losses[:event["step"] - 1] + [event["loss"]]
+        progress = {"epoch": event["epoch"], "step": event["step"], "steps": event["steps"],
+                    "losses": run.losses, **self._timings(run)}
+        with self._lock:
+            self._db.execute("UPDATE jobs SET progress = ? WHERE id = ?", (_dumps(progress), run.job_id))
+            self._event(run.job_id, "step", {k: event[k] for k in ("epoch", "step", "steps", "loss")})
 
-        def close_chunk() -> None:
-            nonlocal opened
-            if opened is not None:
-                seconds = time.monotonic() - opened
-                self.scheduler.chunk_done(seconds)
-                run.windows.append(seconds)
-                opened = None
-
-        def cancelled() -> bool:
-            return run.cancel.is_set() or self._closing
-
-        def wait_for_planners() -> None:
-            # the lock is not fair: without this a submit could wait behind every chunk of a long job
-            while self._planners and not cancelled():
-                time.sleep(0.005)
-
-        def before_chunk() -> None:
-            # A chunk lasts from one call to the next: all the trainer does in between holds the device.
-            nonlocal held, opened
-            close_chunk()
-            if held:
-                self._torch.release()
-                held = False
-            wait_for_planners()
-            run.yielding = True
-            try:
-                self.scheduler.before_chunk(cancelled)
-            finally:
-                run.yielding = False
-            self._torch.acquire()
-            held = True
-            opened = time.monotonic()
-
-        def on_step(event: dict) -> None:
-            _prune_checkpoints(out)
-            run.losses = run.losses[:event["step"] - 1] + [event["loss"]]
-            progress = {"epoch": event["epoch"], "step": event["step"], "steps": event["steps"],
-                        "losses": run.losses, **self._timings(run)}
-            with self._lock:
-                self._db.execute("UPDATE jobs SET progress = ? WHERE id = ?", (_dumps(progress), job_id))
-                self._event(job_id, "step", {k: event[k] for k in ("epoch", "step", "steps", "loss")})
-
-        wait_for_planners()
-        self._torch.acquire()
-        held = True
-        try:
-            receipt = train.finetune(s, progress=False,
-                                     hooks=train.Hooks(before_chunk=before_chunk, on_step=on_step)).as_dict()
-            close_chunk()
-            output = self._publish(job_id, s, receipt["outputs"])
-        except Cancelled:
-            close_chunk()
-            if run.cancel.is_set():
-                self._end(run, "cancelled", "cancelled by request")
-            else:
-                self._end(run, "failed", INTERRUPTED)
-            return
-        except Exception as e:
-            close_chunk()
-            known = (ValueError, GateRefused, MemoryError)  # the project's errors are ValueErrors with one line
-            if not isinstance(e, known):
-                log.exception("training job %s failed", job_id)
-            self._end(run, "failed", _one_line(e) if isinstance(e, known) else f"{type(e).__name__}: {_one_line(e)}")
-            return
-        finally:
-            if held:
-                self._torch.release()
+    def _succeed(self, run: _Run, s: TrainSettings, out: Path, receipt: dict, output: Path) -> None:
         result = {k: v for k, v in receipt.items() if k not in ("chunk_seconds", "checkpoints", "outputs")}
         result["output"] = str(output)
         shutil.rmtree(out, ignore_errors=True)  # its checkpoints are not needed any more
@@ -588,7 +600,7 @@ class JobManager:
             if s.lora:
                 next_id = self._db.execute("SELECT COALESCE(MAX(id), -1) + 1 FROM adapters").fetchone()[0]
                 self._db.execute("INSERT INTO adapters (id, job_id, name, path, scale) VALUES (?, ?, ?, ?, 0)",
-                                 (next_id, job_id, self._row(job_id)["name"] or job_id, str(output)))
+                                 (next_id, run.job_id, self._row(run.job_id)["name"] or run.job_id, str(output)))
             self._end(run, "succeeded", None, result)
 
     def _publish(self, job_id: str, s: TrainSettings, files: list[str]) -> Path:
