@@ -23,7 +23,7 @@ import torch
 from torch import fx
 
 from remat import alias
-from remat.capture import refresh_meta
+from remat.capture import fake_values
 from remat.graph import TrainGraph, interpret, tensors_in
 from remat.marks import mark_name
 from remat.policies import Policy, layer_marks
@@ -105,10 +105,22 @@ def rewrite(tg: TrainGraph, policy: Policy = LAYER) -> TrainGraph:
 
     new.lint()
     gm = fx.GraphModule(tg.gm, new)
-    refresh_meta(gm)  # clones need storages of their own, not their originals'
+    fake_values(_fresh(new, set(clones.values())))
     boundary = env[tg.boundary]
     return TrainGraph(gm=gm, roles=tg.roles, names=tg.names, boundary=boundary,
                       info={**tg.info, "recompute": policy.name})
+
+
+def _fresh(graph: fx.Graph, clones: set[fx.Node]) -> list[fx.Node]:
+    """The nodes that need values of their own, in graph order: the clones (each its own storage) and
+    whatever views or writes a clone (it shares the clone's storage, not the original's)."""
+    fresh: list[fx.Node] = []
+    seen = set(clones)
+    for n in graph.nodes:
+        if n in clones or any(s in seen for s in (alias.view_source(n), *alias.written(n))):
+            seen.add(n)
+            fresh.append(n)
+    return fresh
 
 
 @dataclass
