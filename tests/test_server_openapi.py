@@ -72,7 +72,7 @@ def test_schemathesis_finds_no_failure(server, tmp_path):
     config = tmp_path / "schemathesis.toml"
     config.write_text(CONFIG)
     cmd = [schemathesis_cli(), "--config-file", str(config), "run", f"http://127.0.0.1:{server.port}/openapi.json",
-           "--checks", "all", "--phases", "coverage,fuzzing", "--max-examples", "4", "--seed", "19",
+           "--checks", "all", "--phases", "coverage,fuzzing", "--max-examples", "2", "--seed", "19",
            "--no-shrink", "--workers", "1", "--request-timeout", "30"]
     try:
         out = subprocess.run(cmd, capture_output=True, text=True, timeout=300, check=False, cwd=tmp_path)
