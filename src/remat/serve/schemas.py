@@ -145,26 +145,28 @@ class LoraRequest(Body):
         None, description=TrainSettings.model_fields["lora_targets"].description)
 
 
-class Message(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)
+class Loose(Body):
+    """A training record: other keys are allowed (datasets carry ids and metadata) and left out."""
+
+    model_config = ConfigDict(extra="allow", strict=True, allow_inf_nan=False)
+
+
+class Message(Loose):
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Text
     weight: Literal[0, 1] | None = Field(None, description="assistant messages: 0 leaves it out of the loss")
 
 
-class TextRecord(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)
+class TextRecord(Loose):
     text: Annotated[Text, Field(min_length=1)]
 
 
-class ChatRecord(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)
+class ChatRecord(Loose):
     messages: Annotated[list[Message], Field(min_length=1)]
 
 
-class PromptRecord(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)
+class PromptRecord(Loose):
     prompt: Annotated[Text, Field(min_length=1)] | Annotated[list[Message], Field(min_length=1)]
     completion: Annotated[Text, Field(min_length=1)] | Annotated[list[Message], Field(min_length=1)]
 
