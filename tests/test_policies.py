@@ -72,11 +72,11 @@ def test_budget_picks_a_plan_that_fits_and_runs_as_planned(get_case):
         choice = step.choose(model, shape, "budget", budget)
         assert choice.plan.total <= budget, (budget, choice.policy)
         chosen.add(choice.policy)
-        if choice.policy in ("on", "dots"):
-            graph = step.build(model, shape, choice.policy)
-            _, measured = measure(graph, c.args())
-            assert measured.graph == choice.plan.graph
-    assert len(chosen) >= 2, chosen  # the budget changes the answer
+        graph = step.build(model, shape, choice.policy)  # what the trainer runs: the graph planned
+        (loss, *grads), measured = measure(graph, c.args())
+        assert measured.graph == choice.plan.graph
+        assert torch.equal(loss, c.eager[0]) and all(torch.equal(a, b) for a, b in zip(grads, c.eager[1]))
+    assert len(chosen) >= 3, chosen  # the budget changes the answer, between the built-ins too
 
 
 def test_budget_below_the_smallest_plan_is_refused_with_it(get_case):

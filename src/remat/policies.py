@@ -83,11 +83,6 @@ def dots() -> Policy:
     return Policy("dots", saves)
 
 
-def saved_set(nodes: frozenset[str], name: str) -> Policy:
-    """Save exactly the nodes named (the budget search builds these)."""
-    return Policy(name, lambda n: n.name in nodes)
-
-
 def parse(spec: str) -> Policy | None:
     """A policy from its name (`layer`, `dots`, `every:4`, `on` = `layer`); None for `off`."""
     m = SPEC.fullmatch(spec)

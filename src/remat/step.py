@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from torch import nn
+from torch import fx, nn
 
 from remat import adapters, models, policies, walk
 from remat.capture import EagerStridesFakeMode, capture
@@ -37,18 +37,21 @@ class StepShape:
 def build(model: nn.Module, shape: StepShape, policy: str | bool) -> TrainGraph:
     """The traced (and, unless the policy is "off", rewritten) step for this model and shape, traced once.
 
-    `policy` names a recompute policy (`remat.policies`: off, on/layer, dots, every:K); True means
-    "on", False "off". The cache lives on the model: an epoch, every chunk of a walk, and the
-    plans of every policy reuse one trace.
+    `policy` names a recompute policy (`remat.policies`: off, on/layer, dots, every:K, or one that
+    `choose` made and cached); True means "on", False "off". The cache lives on the model: an epoch,
+    every chunk of a walk, and the plans of every policy reuse one trace.
     """
     name = policy_name(policy)
-    cache = model.__dict__.setdefault("_remat_graphs", {})
-    trainable = tuple(n for n, p in model.named_parameters() if p.requires_grad)
-    key = (shape, trainable, name)
-    if key not in cache:
+    cache = _cache(model, shape)
+    if name not in cache:
         chosen = policies.parse(name)
-        cache[key] = _trace(model, shape) if chosen is None else rewrite(build(model, shape, "off"), chosen)
-    return cache[key]
+        cache[name] = _trace(model, shape) if chosen is None else rewrite(build(model, shape, "off"), chosen)
+    return cache[name]
+
+
+def _cache(model: nn.Module, shape: StepShape) -> dict[str, TrainGraph]:
+    trainable = tuple(n for n, p in model.named_parameters() if p.requires_grad)
+    return model.__dict__.setdefault("_remat_graphs", {}).setdefault((shape, trainable), {})
 
 
 def policy_name(policy: str | bool) -> str:
@@ -136,9 +139,16 @@ def _save_back(model: nn.Module, shape: StepShape, budget: int, faster: str,
     lo, hi = 1, len(extra)
     while lo <= hi:
         k = (lo + hi) // 2
-        chosen = fit | policies.saved_set(frozenset(n.name for n in extra[:k]), f"{fitting}+{k}")
-        p = plan(rewrite(base, chosen))
+        names = frozenset(n.name for n in extra[:k])
+
+        def saves(n: fx.Node, names: frozenset[str] = names) -> bool:
+            return fit.saves(n) or n.name in names
+
+        chosen = policies.Policy(f"{fitting}+{k}", saves)
+        graph = rewrite(base, chosen)
+        p = plan(graph)
         if p.total <= budget:
+            _cache(model, shape)[chosen.name] = graph  # so that `build` finds the chosen one
             best, lo = (chosen.name, p), k + 1
         else:
             hi = k - 1

@@ -141,13 +141,9 @@ def finetune(s: TrainSettings, *, progress: bool = True, hooks: Hooks | None = N
         epoch, i = divmod(n, per_epoch)
         if epoch != epoch_of_batches:
             batches, epoch_of_batches = data.batches(windows, s.batch, seed=s.seed, epoch=epoch), epoch
-        step_loss, grads = 0.0, list[torch.Tensor]()
-        for input_ids, labels in batches[i * s.accumulate:(i + 1) * s.accumulate]:
-            loss, g = runner.run(input_ids, labels)
-            step_loss += loss / s.accumulate
-            grads = [a.add_(b) for a, b in zip(grads, g)] if grads else g
-        for p, total_grad in zip(params, grads):
-            p.grad = total_grad.div_(s.accumulate) if s.accumulate > 1 else total_grad
+        # No local may hold the grads past the optimizer: zero_grad(set_to_none) must free them before the
+        # next step's graph runs (a held set cost one params-sized copy of process memory).
+        step_loss = set_grads(params, runner, batches[i * s.accumulate:(i + 1) * s.accumulate])
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         losses.append(step_loss)
@@ -178,6 +174,18 @@ def finetune(s: TrainSettings, *, progress: bool = True, hooks: Hooks | None = N
         checkpoints=saved,
         outputs=save_outputs(model, loaded, s, out) if out else [],
     )
+
+
+def set_grads(params: list[torch.Tensor], runner: BatchRunner, batches: list) -> float:
+    """Run the batches of one optimizer step, set each parameter's .grad to their mean; -> the mean loss."""
+    step_loss, grads = 0.0, list[torch.Tensor]()
+    for input_ids, labels in batches:
+        loss, g = runner.run(input_ids, labels)
+        step_loss += loss / len(batches)
+        grads = [a.add_(b) for a, b in zip(grads, g)] if grads else g
+    for p, total in zip(params, grads):
+        p.grad = total.div_(len(batches)) if len(batches) > 1 else total
+    return step_loss
 
 
 def save_outputs(model: torch.nn.Module, loaded: models.LoadedModel, s: TrainSettings, out: Path) -> list[str]:
