@@ -44,6 +44,10 @@ class GateRefused(RematError):
 
     exit_code = 3
 
+    def __init__(self, message: str, plans: dict[str, dict[str, int]] | None = None):
+        super().__init__(message)
+        self.plans = plans or {}  # policy -> plan by category, for a caller that shows them
+
 
 class Cancelled(Exception):
     """Raised by a `before_chunk` hook to stop training at a chunk boundary (not an error)."""

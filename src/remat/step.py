@@ -100,6 +100,13 @@ def choose(model: nn.Module, shape: StepShape, recompute: str, budget: int) -> C
     built-ins from the fastest down, takes the first that fits, then saves back the values most
     expensive to recompute per byte (FLOPs, `policies.recompute_cost`) while the plan still fits.
     """
+    choice = _choose(model, shape, recompute, budget)
+    for name in ("off", "on"):  # shown beside the choice: what recompute saves (or costs) on this job
+        choice.plans.setdefault(name, plan(build(model, shape, name)))
+    return choice
+
+
+def _choose(model: nn.Module, shape: StepShape, recompute: str, budget: int) -> Choice:
     if recompute not in ("auto", "budget"):
         name = policy_name(recompute)
         named = plans(model, shape, (name,))
@@ -169,7 +176,8 @@ def _refuse(model: nn.Module, shape: StepShape, budget: int, found: dict[str, Pl
     raise GateRefused(
         f"refused: the job needs more than the memory budget {mib(budget)} ({figures}); the smallest plan "
         f"remat can make is {smallest} at {mib(found[smallest].total)}, of which parameters, grads and "
-        f"optimizer take {mib(fixed)}: lower --ctx or --batch, use --recompute every:K, or raise --memory-budget")
+        f"optimizer take {mib(fixed)}: lower --ctx or --batch, use --recompute every:K, or raise --memory-budget",
+        {k: p.as_dict() for k, p in found.items()})
 
 
 def lora_settings(s: TrainSettings) -> adapters.LoraSettings | None:

@@ -34,9 +34,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from pydantic import ValidationError
+from torch import nn
 
 from remat import adapters, checkpoints, data, models, step, train
-from remat.plan import Plan, available_memory, gate
+from remat.plan import available_memory
 from remat.serve.errors import ApiError, invalid, parse
 from remat.serve.scheduler import Scheduler, Totals
 from remat.serve.schemas import MAX_SCALE, LoraScale, TrainRequest
@@ -195,7 +196,7 @@ class JobManager:
         self._tokenizer = tokenizer
         self._config = None
         self._linears: list[tuple[str, int, int]] | None = None
-        self._plans: dict[tuple, dict[str, Plan]] = {}
+        self._models: dict[tuple | None, nn.Module] = {}  # planning models (fake tensors) by LoRA; graphs cache on them
         self._lock = threading.RLock()  # the database and the fields below
         self._changed = threading.Condition(self._lock)  # a new event, a queued job, closing
         self._torch = threading.Lock()  # planning and training never trace or touch the RNG at once
@@ -223,13 +224,7 @@ class JobManager:
         steps = self._check_data(s, records)
         budget = self.memory_budget or available_memory()
         self._lora_gate(s, budget)  # from shapes, before PEFT allocates anything
-        plans = self._plan(s)
-        try:
-            use, reason = gate(plans, budget, s.recompute)
-        except GateRefused as e:
-            raise _refused(str(e), {"plans": {k: p.as_dict() for k, p in plans.items()}, "budget": budget}) from None
-        plan = {"plans": {k: p.as_dict() for k, p in plans.items()}, "recompute": use,
-                "recompute_reason": reason, "budget": budget}
+        plan = self._choose(s, budget)
         settings = s.model_dump(exclude={"data", "out", "resume", "memory_budget"})
         job_id = f"job-{secrets.token_hex(8)}"
         with self._lock:
@@ -241,9 +236,9 @@ class JobManager:
             self._event(job_id, "queued", {"position": len(self._queue) + (self._run is not None)})
             self._queue.append(job_id)
             self._changed.notify_all()
-        return {"id": job_id, "status": "queued", "plan": plan["plans"]["on" if use else "off"],
-                "plans": plan["plans"], "recompute": use, "recompute_reason": reason, "budget": budget,
-                "steps": steps}
+        return {"id": job_id, "status": "queued", "plan": plan["plans"][plan["policy"]], "plans": plan["plans"],
+                "recompute": plan["recompute"], "policy": plan["policy"], "recompute_reason": plan["recompute_reason"],
+                "budget": budget, "steps": steps}
 
     def list(self) -> list[dict]:
         with self._lock:
@@ -269,7 +264,8 @@ class JobManager:
             "step": progress.get("step", 0),
             "steps": progress.get("steps"),
             "losses": progress.get("losses", []),
-            "plan": plan["plans"]["on" if plan["recompute"] else "off"],
+            "plan": plan["plans"][plan.get("policy", "on" if plan["recompute"] else "off")],
+            "policy": plan.get("policy", "on" if plan["recompute"] else "off"),
             "plans": plan["plans"],
             "recompute": plan["recompute"],
             "recompute_reason": plan["recompute_reason"],
@@ -343,15 +339,10 @@ class JobManager:
             if row["status"] not in ("failed", "cancelled"):
                 raise ApiError(409, f"training job {job_id} is {row['status']}: only a failed or cancelled job "
                                "can be resumed", code="not_resumable")
-            plan = json.loads(row["plan"])
-            plans = {k: Plan(**{f: v for f, v in p.items() if f != "total"}) for k, p in plan["plans"].items()}
             budget = self.memory_budget or available_memory()
-            try:  # memory may have changed since the job was submitted
-                plan["recompute"], plan["recompute_reason"] = gate(plans, budget,
-                                                                    json.loads(row["settings"])["recompute"])
-            except GateRefused as e:
-                raise _refused(str(e), {"plans": plan["plans"], "budget": budget}) from None
-            plan["budget"] = budget
+            # memory may have changed since the job was submitted: the gate answers again
+            stored = json.loads(row["settings"]) | {"model": self.model, "out": str(self.state_dir / "jobs" / job_id)}
+            plan = self._choose(TrainSettings(**stored), budget)
             self._db.execute("UPDATE jobs SET status = 'queued', reason = NULL, finished = NULL, plan = ? "
                              "WHERE id = ?", (_dumps(plan), job_id))
             self._event(job_id, "queued", {"resumed_from_step": self._checkpoint_step(job_id)})
@@ -479,16 +470,18 @@ class JobManager:
                            f"epoch ({len(windows) // s.batch})")
         return min(s.steps or per_epoch * s.epochs, per_epoch * s.epochs)
 
-    def _plan(self, s: TrainSettings) -> dict[str, Plan]:
-        """Plans (recompute off/on) of the graph the job will run, traced on fake tensors: no weights."""
+    def _choose(self, s: TrainSettings, budget: int) -> dict:
+        """The gate on the graph the job will run, traced on fake tensors (no weights): the policy that
+        fits, why, and the plans; 422 with the plans when nothing fits."""
         lora = (s.lora_r, s.lora_alpha, s.lora_dropout, tuple(s.lora_targets or ())) if s.lora else None
-        key = (s.path, s.batch, s.ctx, s.ubatch if s.path == "walk" else None, s.loss_chunk, lora)
-        if key in self._plans:
-            return self._plans[key]
-        config = self._model_config()
         with self._planning():
             try:
-                plans = step.plans(step.planning_model(config, s), step.StepShape.of(s))
+                model = self._models.get(lora)
+                if model is None:
+                    model = self._models[lora] = step.planning_model(self._model_config(), s)
+                choice = step.choose(model, step.StepShape.of(s), s.recompute, budget)
+            except GateRefused as e:
+                raise _refused(str(e), {"plans": e.plans, "budget": budget}) from None
             except adapters.AdapterError as e:
                 raise _invalid("lora", str(e)) from None
             except models.ModelError as e:
@@ -497,8 +490,8 @@ class JobManager:
                 log.exception("planning failed")
                 raise ApiError(500, code="plan_failed", message=f"cannot plan this job: {_one_line(e)}",
                                type="server_error") from None
-        self._plans[key] = plans
-        return plans
+        return {"plans": {k: p.as_dict() for k, p in choice.plans.items()}, "policy": choice.policy,
+                "recompute": choice.policy != "off", "recompute_reason": choice.reason, "budget": budget}
 
     @contextlib.contextmanager
     def _planning(self) -> Iterator[None]:

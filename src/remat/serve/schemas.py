@@ -336,6 +336,7 @@ class Job(Out):
     plan: dict[str, Any]
     plans: dict[str, Any]
     recompute: bool
+    policy: str
     budget: int
     adapter: dict[str, Any] | None
     output: str | None
@@ -352,6 +353,7 @@ class Submitted(Out):
     plan: dict[str, Any]
     plans: dict[str, Any]
     recompute: bool
+    policy: str
     recompute_reason: str
     budget: int
     steps: int | None
