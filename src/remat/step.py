@@ -176,7 +176,7 @@ def _refuse(model: nn.Module, shape: StepShape, budget: int, found: dict[str, Pl
     raise GateRefused(
         f"refused: the job needs more than the memory budget {mib(budget)} ({figures}); the smallest plan "
         f"remat can make is {smallest} at {mib(found[smallest].total)}, of which parameters, grads and "
-        f"optimizer take {mib(fixed)}: lower --ctx or --batch, use --recompute every:K, or raise --memory-budget",
+        f"optimizer take {mib(fixed)}: lower --ctx or --batch, use --recompute on, or raise --memory-budget",
         {k: p.as_dict() for k, p in found.items()})
 
 
