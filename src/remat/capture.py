@@ -112,6 +112,7 @@ def fake_values(nodes: list[fx.Node]) -> None:
     mode = next((t.fake_mode for t in vals if isinstance(t, FakeTensor)), None)
     with mode or EagerStridesFakeMode(allow_non_fake_inputs=True):
         for n in nodes:
+            assert callable(n.target), n  # clones and views copy call_function nodes
             args, kwargs = fx.node.map_arg((n.args, n.kwargs), lambda a: a.meta["val"])
             n.meta["val"] = n.target(*args, **kwargs)
 

@@ -33,4 +33,8 @@ MARK_OP = torch.ops.remat.mark.default
 
 def mark_name(node: torch.fx.Node) -> str | None:
     """The mark name of a graph node, or None when it is not a mark."""
-    return node.args[1] if node.op == "call_function" and node.target is MARK_OP else None
+    if node.op != "call_function" or node.target is not MARK_OP:
+        return None
+    name = node.args[1]
+    assert isinstance(name, str)
+    return name
