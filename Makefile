@@ -24,12 +24,15 @@ chromium:
 		{ apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium; } || \
 		echo "make: cannot install chromium (apt-get as root): the browser tests (tests/test_page.py) will skip"
 
-demo: setup
+demo: $(BIN)/remat
 	rm -rf out/demo
 	$(BIN)/remat finetune --out out/demo
 
-test: setup
+lint: $(BIN)/remat
 	$(BIN)/ruff check src tests
+	$(BIN)/mypy
+
+test: setup lint
 	$(BIN)/pytest
 
 clean:
