@@ -529,6 +529,46 @@ def test_train_lifecycle(server):
     assert "remat_training_window_p95_seconds" in metrics and "remat_slowdown_ppm" in metrics
 
 
+def test_plan_first_queues_nothing(server):
+    """POST /train/plan answers what POST /train would (the plans, the gate's choice and why), queues nothing;
+    a job's own memory_budget (bytes or "64KiB") caps the server's and can make it 422 with the plans."""
+    before = [j["id"] for j in server.ok("GET", "/train")["data"]]
+    plan = server.ok("POST", "/train/plan", cat_job(name="planned"))
+    assert set(plan) == {"plan", "plans", "policy", "recompute", "recompute_reason", "budget", "steps"}
+    assert plan["policy"] == "off" and plan["recompute"] is False and plan["plan"] == plan["plans"]["off"]
+    assert {"off", "on"} <= set(plan["plans"]) and "not needed" in plan["recompute_reason"] and plan["steps"] > 1
+    assert [j["id"] for j in server.ok("GET", "/train")["data"]] == before  # nothing queued
+
+    for policy in ("on", "dots", "every:2", "budget"):
+        got = server.ok("POST", "/train/plan", cat_job(recompute=policy))
+        assert got["policy"] == policy or policy == "budget", got
+        assert got["plan"] == got["plans"][got["policy"]] and got["recompute"] is True
+    on = plan["plans"]["on"]["total"]
+    fits_on = server.ok("POST", "/train/plan", cat_job(memory_budget=on + 1))  # off is over this budget
+    assert fits_on["budget"] == on + 1 and fits_on["policy"] != "off" and fits_on["plan"]["total"] <= on + 1
+    capped = server.ok("POST", "/train/plan", cat_job(memory_budget="1000000GiB"))  # above the server's
+    assert capped["budget"] < 1_000_000 << 30 and capped["budget"] > plan["budget"] // 2  # the server's: free memory
+
+    lora = sum(plan["plans"]["on"][k] for k in ("params", "grads", "optimizer"))  # the adapter's own bytes
+    for path in ("/train/plan", "/train"):  # above the adapter, below the smallest plan: 422 with the plans
+        got, out = server.request("POST", path, cat_job(memory_budget=lora + 1))
+        assert got == 422 and out["error"]["code"] == "insufficient_memory", out
+        assert out["error"]["budget"] == lora + 1 and {"off", "on"} <= set(out["error"]["plans"])
+        assert all(p["total"] > lora + 1 for p in out["error"]["plans"].values())
+    got, out = server.request("POST", "/train/plan", cat_job(memory_budget="4KiB"))  # below the adapter itself
+    assert got == 422 and out["error"]["budget"] == 4096 and out["error"]["lora_bytes"] == lora, out
+    for bad in ("lots", "0", 0, -1, "1e9", True):
+        got, out = server.request("POST", "/train/plan", cat_job(memory_budget=bad))
+        assert got == 400 and "memory_budget" in out["error"]["message"], (bad, out)
+    got, out = server.request("POST", "/train/plan", cat_job(recompute="sometimes"))
+    assert got == 400 and "recompute" in out["error"]["message"]
+    assert [j["id"] for j in server.ok("GET", "/train")["data"]] == before
+
+    job = server.submit(**cat_job(epochs=1, memory_budget=on + 1))  # the job runs within its own budget
+    assert job["budget"] == on + 1 and job["policy"] == fits_on["policy"]
+    assert server.wait_job(job["id"])["status"] == "succeeded"
+
+
 def test_cancel_running_job(server):
     job_id = server.submit(**long_job())["id"]
     try:

@@ -203,6 +203,8 @@ class ServeSettings(BaseModel):
                                              "(default: free memory)")
     state_dir: str = Field("remat-state", description="folder for jobs, their events and adapters")
     max_body: int = Field(64 << 20, ge=1, description="largest request body in bytes")
+    body_timeout: float = Field(10.0, gt=0, allow_inf_nan=False,
+                                description="seconds a request body may pause before the server answers 408")
     threads: int | None = Field(None, ge=1, description="torch CPU threads (default: torch's choice)")
 
 

@@ -4,7 +4,7 @@ Routes (one router per feature, under `remat.serve.routes`):
   GET  /health, /props, /v1/models, /metrics
   POST /completion (llama.cpp), /v1/completions, /v1/chat/completions (OpenAI); SSE with "stream": true
   POST /tokenize, /detokenize
-  POST /train, GET /train, GET /train/{id}, GET /train/{id}/events (SSE), DELETE /train/{id},
+  POST /train/plan, POST /train, GET /train, GET /train/{id}, GET /train/{id}/events (SSE), DELETE /train/{id},
   POST /train/{id}/resume
   GET/POST /lora-adapters (llama.cpp's shape)
   GET /, /ui/... the web page (`remat.serve.page`)
@@ -15,7 +15,6 @@ The OpenAPI document (`/openapi.json`) is made from the same pydantic models tha
 
 from __future__ import annotations
 
-import argparse
 import logging
 import sys
 import warnings
@@ -30,13 +29,13 @@ from remat.serve import errors, openapi, page
 from remat.serve.middleware import BODY_TIMEOUT, ApiKeyMiddleware, BodyLimitMiddleware
 from remat.serve.routes import ROUTERS
 from remat.serve.state import Server
-from remat.settings import VERSION
+from remat.settings import VERSION, ServeSettings
 
 __all__ = ["create_app", "main"]
 
 log = logging.getLogger("remat.serve")
 
-DEFAULT_MAX_BODY = 64 << 20
+DEFAULT_MAX_BODY: int = ServeSettings.model_fields["max_body"].default
 
 
 @asynccontextmanager
@@ -78,7 +77,7 @@ def create_app(*, model: str | None = None, parallel: int = 1, api_keys: list[st
 # command line
 
 
-def main(args: argparse.Namespace) -> int:
+def main(args: ServeSettings) -> int:
     """Run the server until interrupted. 0 on a clean stop, 2 for a bad model or setting, 1 if loading fails."""
     import uvicorn
 
@@ -110,7 +109,8 @@ def main(args: argparse.Namespace) -> int:
 
     app = create_app(model=args.model, parallel=args.parallel, api_keys=args.api_key,
                      max_slowdown_ppm=args.max_slowdown_ppm, memory_budget=args.memory_budget,
-                     state_dir=args.state_dir, max_body=args.max_body, n_ctx=args.ctx, on_load_error=on_load_error)
+                     state_dir=args.state_dir, max_body=args.max_body, n_ctx=args.ctx, on_load_error=on_load_error,
+                     body_timeout=args.body_timeout)
     server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level="warning",
                                            access_log=False, timeout_graceful_shutdown=5))
     server_box.append(server)

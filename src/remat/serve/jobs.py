@@ -38,6 +38,7 @@ from torch import nn
 
 from remat import adapters, checkpoints, data, models, step, train
 from remat.plan import available_memory
+from remat.serve import body
 from remat.serve.errors import ApiError, invalid, parse
 from remat.serve.scheduler import Scheduler, Totals
 from remat.serve.schemas import MAX_SCALE, LoraScale, TrainRequest
@@ -107,6 +108,12 @@ def _dumps(value: object) -> str:
     return json.dumps(safe(value))
 
 
+def _dumps_list(values: list) -> str:
+    """`_dumps` of a list, one item at a time: the training data can be tens of MiB, and one `json.dumps`
+    call over all of it would hold the GIL (and stall the server's event loop) until it is done."""
+    return "[" + ",".join(_dumps(v) for v in values) + "]"
+
+
 def _readable(folder: Path) -> None:
     """Files 0644 and folders 0755 under `folder` (temporary files are made 0600)."""
     folder.chmod(DIR_MODE)
@@ -136,6 +143,23 @@ class _Run:
     windows: list[float] = field(default_factory=list)
     cancel: threading.Event = field(default_factory=threading.Event)
     yielding: bool = False  # waiting in the scheduler for decoding to allow the next chunk
+
+
+@dataclass
+class _Planned:
+    """A job that passed every check: its settings, records, name, optimizer steps and the gate's answer."""
+
+    settings: TrainSettings
+    records: list[dict]
+    name: str | None
+    steps: int | None
+    gate: dict  # plans, policy, recompute, recompute_reason, budget (stored with the job)
+
+    def answer(self) -> dict:
+        g = self.gate
+        return {"plan": g["plans"][g["policy"]], "plans": g["plans"], "policy": g["policy"],
+                "recompute": g["recompute"], "recompute_reason": g["recompute_reason"], "budget": g["budget"],
+                "steps": self.steps}
 
 
 class _Chunks:
@@ -217,28 +241,26 @@ class JobManager:
 
     # ------------------------------------------------------------------------------------------ API
 
-    def submit(self, req: dict) -> dict:
-        """Validate, plan and gate a job, then queue it; raises ApiError (400, 422) when it cannot run."""
-        self._check_open()
-        s, records, name = self._settings(req)
-        steps = self._check_data(s, records)
-        budget = self.memory_budget or available_memory()
-        self._lora_gate(s, budget)  # from shapes, before PEFT allocates anything
-        plan = self._choose(s, budget)
-        settings = s.model_dump(exclude={"data", "out", "resume", "memory_budget"})
+    def plan(self, req: TrainRequest | dict) -> dict:
+        """Validate, plan and gate a job without queueing it: the answer `submit` would give, less the id;
+        raises ApiError (400, 422) when it cannot run."""
+        return self._planned(req).answer()
+
+    def submit(self, req: TrainRequest | dict) -> dict:
+        """`plan`, then queue the job; raises ApiError (400, 422) when it cannot run."""
+        p = self._planned(req)
+        settings = p.settings.model_dump(exclude={"data", "out", "resume"})
         job_id = f"job-{secrets.token_hex(8)}"
         with self._lock:
             self._db.execute(
                 "INSERT INTO jobs (id, name, status, settings, data, plan, progress, created) "
                 "VALUES (?, ?, 'queued', ?, ?, ?, ?, ?)",
-                (job_id, name, _dumps(settings), _dumps(records), _dumps(plan),
-                 _dumps({"steps": steps} if steps else {}), time.time()))
+                (job_id, p.name, _dumps(settings), _dumps_list(p.records), _dumps(p.gate),
+                 _dumps({"steps": p.steps} if p.steps else {}), time.time()))
             self._event(job_id, "queued", {"position": len(self._queue) + (self._run is not None)})
             self._queue.append(job_id)
             self._changed.notify_all()
-        return {"id": job_id, "status": "queued", "plan": plan["plans"][plan["policy"]], "plans": plan["plans"],
-                "recompute": plan["recompute"], "policy": plan["policy"], "recompute_reason": plan["recompute_reason"],
-                "budget": budget, "steps": steps}
+        return {"id": job_id, "status": "queued", **p.answer()}
 
     def list(self) -> list[dict]:
         with self._lock:
@@ -339,10 +361,10 @@ class JobManager:
             if row["status"] not in ("failed", "cancelled"):
                 raise ApiError(409, f"training job {job_id} is {row['status']}: only a failed or cancelled job "
                                "can be resumed", code="not_resumable")
-            budget = self.memory_budget or available_memory()
             # memory may have changed since the job was submitted: the gate answers again
             stored = json.loads(row["settings"]) | {"model": self.model, "out": str(self.state_dir / "jobs" / job_id)}
-            plan = self._choose(TrainSettings(**stored), budget)
+            s = TrainSettings(**stored)
+            plan = self._choose(s, self._budget(s))
             self._db.execute("UPDATE jobs SET status = 'queued', reason = NULL, finished = NULL, plan = ? "
                              "WHERE id = ?", (_dumps(plan), job_id))
             self._event(job_id, "queued", {"resumed_from_step": self._checkpoint_step(job_id)})
@@ -396,17 +418,33 @@ class JobManager:
                 raise ApiError(500, code="model_unavailable", message=str(e), type="server_error") from None
         return self._config
 
+    def _planned(self, req: TrainRequest | dict) -> _Planned:
+        """Everything that can refuse a job before it is queued: the fields, the data, the LoRA's own size
+        and the gate on the planned graph, against the job's budget."""
+        self._check_open()
+        s, records, name = self._settings(req)
+        steps = self._check_data(s, records)
+        budget = self._budget(s)
+        self._lora_gate(s, budget)  # from shapes, before PEFT allocates anything
+        return _Planned(s, records, name, steps, self._choose(s, budget))
+
+    def _budget(self, s: TrainSettings) -> int:
+        """The job's budget: its own `memory_budget` when it asks for one, at most the server's."""
+        server = self.memory_budget or available_memory()
+        return min(server, s.memory_budget) if s.memory_budget else server
+
     def _settings(self, req: TrainRequest | dict) -> tuple[TrainSettings, list[dict], str | None]:
         """The job's TrainSettings, records and name from a request (checked by `TrainRequest`)."""
         if not isinstance(req, TrainRequest):
             req = parse(TrainRequest, req)
-        fields = req.model_dump(exclude_unset=True, exclude_none=True)
+        with body.gc_paused:  # the data's objects: no full collection over them meanwhile (see serve.body)
+            fields = req.model_dump(exclude_unset=True, exclude_none=True)
+            try:
+                records = data.parse_records(fields.pop("data"))
+            except data.DataError as e:
+                raise _invalid("data", str(e)) from None
         fields.pop("model", None)  # like llama.cpp's server: a server trains the model it serves
         name = fields.pop("name", None)
-        try:
-            records = data.parse_records(fields.pop("data"))
-        except data.DataError as e:
-            raise _invalid("data", str(e)) from None
         max_ctx = int(self._model_config().max_position_embeddings)
         ctx = fields.setdefault("ctx", min(256, max_ctx))
         if ctx > max_ctx:
@@ -562,15 +600,15 @@ class JobManager:
         with self._lock:
             row = self._row(job_id)
             stored = json.loads(row["settings"])
-            records = json.loads(row["data"])
+            records = body.loads(row["data"])  # in pieces: tens of MiB in one json.loads call stall the server
             budget = json.loads(row["plan"])["budget"]
             self._db.execute("UPDATE jobs SET status = 'running' WHERE id = ?", (job_id,))
         out = self.state_dir / "jobs" / job_id
         resume = self._checkpoint(job_id)
         if resume is None and out.exists():
             shutil.rmtree(out)  # leftovers of a run that saved no checkpoint: start over
-        s = TrainSettings(**stored, data=records, out=str(out), memory_budget=budget,
-                          resume=str(resume.path) if resume else None)
+        s = TrainSettings(**{**stored, "data": records, "out": str(out), "memory_budget": budget,
+                             "resume": str(resume.path) if resume else None})
         with self._lock:
             self._event(job_id, "started", {"resumed_from_step": resume.step if resume else None})
         self.scheduler.new_job()

@@ -7,11 +7,12 @@ import hmac
 import json
 
 from remat.serve.errors import error_body
+from remat.settings import ServeSettings
 
 PUBLIC_PATHS = frozenset({"/health", "/v1/health", "/v1/models", "/models"})
 BIG_BODY_PATHS = ("/train", "/lora-adapters")  # the routes whose bodies may be large (training data)
 SMALL_BODY = 16 << 20  # every other route: prompts, whose length the served context bounds far below this
-BODY_TIMEOUT = 10.0  # seconds a request body may pause between two pieces
+BODY_TIMEOUT: float = ServeSettings.model_fields["body_timeout"].default  # seconds a body may pause (--body-timeout)
 
 
 async def send_json(send, status: int, body: dict, headers: list | None = None) -> None:

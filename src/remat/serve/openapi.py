@@ -3,13 +3,19 @@ default 422 `HTTPValidationError` is never sent), and the middleware's answers (
 
 from __future__ import annotations
 
+from typing import Any
+
 from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
+from pydantic import BaseModel
+from pydantic.json_schema import models_json_schema
 
 from remat.serve.errors import DESCRIPTIONS
 from remat.serve.middleware import PUBLIC_PATHS
 
 _ERROR_REF = {"$ref": "#/components/schemas/ErrorResponse"}
+# Request bodies read by `remat.serve.body` (in a worker thread, not by FastAPI): their schemas are added here.
+BODY_MODELS: set[type[BaseModel]] = set()
 
 
 def _error(status: int) -> dict:
@@ -48,6 +54,17 @@ def _exact_bounds(node: object) -> None:
             _exact_bounds(value)
 
 
+def _add_body_models(doc: dict[str, Any]) -> None:
+    """The schemas of the bodies FastAPI does not read itself, as it would write them (validation mode)."""
+    if not BODY_MODELS:
+        return
+    _, defs = models_json_schema([(m, "validation") for m in sorted(BODY_MODELS, key=lambda m: m.__name__)],
+                                 ref_template="#/components/schemas/{model}")
+    schemas = doc.setdefault("components", {}).setdefault("schemas", {})
+    for name, schema in defs.get("$defs", {}).items():
+        schemas.setdefault(name, schema)
+
+
 def document(app: FastAPI, keys: bool) -> dict:
     """The app's OpenAPI document, made once."""
     if app.openapi_schema is None:
@@ -55,6 +72,7 @@ def document(app: FastAPI, keys: bool) -> dict:
         for path, ops in doc.get("paths", {}).items():
             for method, op in ops.items():
                 _fix_operation(path, method, op, keys)
+        _add_body_models(doc)
         schemas = doc.get("components", {}).get("schemas", {})
         for name in ("HTTPValidationError", "ValidationError"):
             schemas.pop(name, None)

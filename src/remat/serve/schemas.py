@@ -4,7 +4,8 @@ OpenAPI document (`/openapi.json`), so what the document says is what the server
 Requests are strict (a string is not a number, `true` is not 1) except that an integral float (`3.0`)
 is an integer, as JSON Schema has it. Text never holds a lone surrogate (`"\\ud800"`): it cannot be
 tokenized or stored. A training job's fields are `TrainSettings`' fields (one declaration, in
-`remat.settings`), with the JSON forms of `recompute` (true / false / "auto") and `lora` ({r, alpha, ...}).
+`remat.settings`), with the JSON forms of `recompute` (true / false / a policy), `memory_budget` (bytes or
+"512MiB") and `lora` ({r, alpha, ...}).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import re
 from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, create_model, model_validator
+from pydantic.fields import FieldInfo
 
 from remat.settings import MAX_SEED, TrainSettings
 
@@ -177,14 +179,42 @@ TRAIN_FIELDS = ("epochs", "steps", "ctx", "batch", "accumulate", "lr", "seed", "
                 "save_every", "pack")
 
 
-def _optional(name: str) -> tuple[object, object]:
+# A memory size as `remat.settings.parse_bytes` reads it: 512MiB, 2GiB, 1.5G, a bare number of MiB.
+SIZE_PATTERN = r"^[0-9]{1,15}(\.[0-9]{1,6})? ?([KkMmGgTt]([Ii]?[Bb])?|[Bb])?$"
+
+
+def _optional(name: str, annotation: Any = None, description: str | None = None) -> tuple[Any, FieldInfo]:
+    """TrainSettings' field `name` for a request: not sent is None (the server's default). `annotation`
+    replaces the field's type where JSON spells it differently; `description` is put before its own."""
     info = TrainSettings.model_fields[name]
     copy = info._copy() if hasattr(info, "_copy") else info
-    copy.default = None  # not sent: the server's default
-    return info.annotation | None, copy
+    copy.default = None
+    if annotation is not None:
+        copy.metadata = []  # the type's constraints move into `annotation`
+    if description:
+        copy.description = f"{description}; {info.description}"
+    return (annotation if annotation is not None else info.annotation) | None, copy
 
 
-TrainFields = create_model("TrainFields", __base__=Body, **{n: _optional(n) for n in TRAIN_FIELDS})
+def _recompute() -> tuple[Any, FieldInfo]:
+    """`recompute`: TrainSettings' policies (its type and pattern, as declared there), or true (on) / false (off)."""
+    info = TrainSettings.model_fields["recompute"]
+    policy = Annotated[(info.annotation, *info.metadata)]  # type: ignore[valid-type]  # a type made at run time
+    return _optional("recompute", bool | policy, "true (on), false (off), or a policy")
+
+
+def _memory_budget() -> tuple[Any, FieldInfo]:
+    """`memory_budget`: bytes, or a size string as the command line takes it."""
+    size = Annotated[int, Field(gt=0)] | Annotated[str, Field(pattern=SIZE_PATTERN)]
+    annotation, info = _optional("memory_budget", size)
+    info.description = ("this job's memory budget, capped by the server's (--memory-budget, else free memory): "
+                        "bytes, or a size like 512MiB or 2GiB (a bare number in a string is MiB)")
+    return annotation, info
+
+
+TrainFields: type[Body] = create_model(  # type: ignore[call-overload]  # pydantic's stubs: not for dynamic fields
+    "TrainFields", __base__=Body, recompute=_recompute(), memory_budget=_memory_budget(),
+    **{n: _optional(n) for n in TRAIN_FIELDS})
 
 
 class TrainRequest(TrainFields):
@@ -194,8 +224,6 @@ class TrainRequest(TrainFields):
                                                                   "{prompt, completion}")]
     name: Annotated[Text, Field(min_length=1, max_length=MAX_NAME, pattern=r"\S")] | None = Field(
         None, description="a name for the job and its adapter")
-    recompute: bool | Literal["auto", "on", "off"] | None = Field(
-        None, description='true, false or "auto" (default: only when needed to fit)')
     lora: LoraRequest | bool | None = Field(None, description="{r, alpha, dropout, targets}, or false for full "
                                                               "fine-tuning")
     model: Text | None = Field(None, description="ignored: the server trains the model it serves")
@@ -347,16 +375,22 @@ class Job(Out):
     settings: dict[str, Any]
 
 
-class Submitted(Out):
-    id: str
-    status: Literal["queued"]
+class Plan(Out):
+    """The gate's answer on a job: the plan that would run, every plan it looked at (bytes by category,
+    by policy; `off` and `on` always), the policy chosen and why, the budget and the optimizer steps."""
+
     plan: dict[str, Any]
     plans: dict[str, Any]
-    recompute: bool
     policy: str
+    recompute: bool
     recompute_reason: str
     budget: int
     steps: int | None
+
+
+class Submitted(Plan):
+    id: str
+    status: Literal["queued"]
 
 
 class JobList(Out):

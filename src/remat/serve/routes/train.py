@@ -1,28 +1,48 @@
-"""Training jobs: POST /train, GET /train, GET/DELETE /train/{id}, POST /train/{id}/resume, and the job's
-events as server-sent events (GET /train/{id}/events, resumable with Last-Event-ID)."""
+"""Training jobs: POST /train/plan (plan and gate, nothing queued), POST /train, GET /train, GET/DELETE
+/train/{id}, POST /train/{id}/resume, and the job's events as server-sent events (GET /train/{id}/events,
+resumable with Last-Event-ID)."""
 
 from __future__ import annotations
 
 from typing import Annotated
 
-from fastapi import APIRouter, Header, Query, Request
+from fastapi import APIRouter, Depends, Header, Query, Request
 from starlette.concurrency import run_in_threadpool
 
+from remat.serve import body
 from remat.serve import generation as gen
 from remat.serve.errors import ApiError, SafeJSONResponse, responses
 from remat.serve.jobs import FINISHED, MAX_EVENT_ID, JobManager
-from remat.serve.schemas import EventList, Job, JobList, Submitted, TrainRequest
+from remat.serve.schemas import EventList, Job, JobList, Plan, Submitted, TrainRequest
 from remat.serve.state import JobsDep
 
 router = APIRouter(tags=["training"])
 EventId = Annotated[int | None, Query(ge=0, le=MAX_EVENT_ID, description="resume after this event id")]
 
 
-@router.post("/train", status_code=202, response_model=Submitted, responses=responses(400, 422, 503))
-async def train(body: TrainRequest, jobs: JobsDep):
+async def train_body(request: Request) -> TrainRequest:
+    """The job, parsed and validated in a worker thread: a large body (training data) never holds the event
+    loop (the OpenAPI document declares it with `openapi_extra`)."""
+    return await body.read(request, TrainRequest)
+
+
+TrainBody = Annotated[TrainRequest, Depends(train_body)]
+TRAIN_BODY = body.openapi_body(TrainRequest, "a training job: its data and TrainSettings' fields")
+
+
+@router.post("/train", status_code=202, response_model=Submitted, responses=responses(400, 422, 503),
+             openapi_extra=TRAIN_BODY)
+async def train(req: TrainBody, jobs: JobsDep):
     """Plan the job on fake tensors and queue it (202 with the plan), or refuse it: 422 `insufficient_memory`
-    with both plans when it cannot fit the budget."""
-    return SafeJSONResponse(await run_in_threadpool(jobs.submit, body), status_code=202)
+    with the plans the gate looked at when none fits the budget."""
+    return SafeJSONResponse(await run_in_threadpool(jobs.submit, req), status_code=202)
+
+
+@router.post("/train/plan", response_model=Plan, responses=responses(400, 422, 503), openapi_extra=TRAIN_BODY)
+async def train_plan(req: TrainBody, jobs: JobsDep):
+    """What `POST /train` would answer, without queueing anything: the plans, the gate's choice and its
+    reason (200), or 422 `insufficient_memory` with the plans when none fits the budget."""
+    return SafeJSONResponse(await run_in_threadpool(jobs.plan, req))
 
 
 @router.get("/train", response_model=JobList, responses=responses(503))

@@ -1,0 +1,173 @@
+"""Large request bodies (training data) parsed and validated in a worker thread, without stalling the server.
+
+A worker thread alone is not enough: `json.loads` and pydantic hold the GIL for one C call over the whole
+body, and the garbage collector's full passes over its millions of new objects hold it too (a 57 MiB body
+kept `/health` waiting ~600 ms). So the JSON is read in pieces (the top object and its arrays member by
+member, each value by the C scanner), and the collector pauses while a body is parsed and validated (its
+objects hold no reference cycles: reference counting frees them).
+
+The errors are FastAPI's own (`RequestValidationError`, rendered by `errors.on_validation`), so a body
+refused here reads exactly as one FastAPI refused.
+"""
+
+from __future__ import annotations
+
+import codecs
+import gc
+import json
+import re
+import threading
+from typing import Any, TypeVar
+
+from fastapi import Request
+from fastapi.exceptions import RequestValidationError
+from pydantic import BaseModel, ValidationError
+from starlette.concurrency import run_in_threadpool
+
+__all__ = ["loads", "openapi_body", "read", "validate"]
+
+M = TypeVar("M", bound=BaseModel)
+
+_WS = re.compile(r"[ \t\n\r]*")
+_scan = json.JSONDecoder().scan_once  # one JSON value at an index, in C: (value, end) or StopIteration(index)
+PIECE = 1 << 20  # bytes decoded per call
+DEPTH = 2  # the top object and the arrays in it are walked here; deeper values are one C call each
+
+class _GcPause:
+    """No cyclic garbage collection while any thread is inside (the first in turns it off, the last out
+    restores it)."""
+
+    def __init__(self) -> None:
+        self.lock, self.holders, self.was_enabled = threading.Lock(), 0, False
+
+    def __enter__(self) -> None:
+        with self.lock:
+            if self.holders == 0:
+                self.was_enabled = gc.isenabled()
+                gc.disable()
+            self.holders += 1
+
+    def __exit__(self, *exc: object) -> None:
+        with self.lock:
+            self.holders -= 1
+            if self.holders == 0 and self.was_enabled:
+                gc.enable()
+
+
+gc_paused = _GcPause()
+
+
+def _decode(raw: bytes) -> str:
+    """The text of a JSON body (UTF-8, -16 or -32, as `json.loads` reads bytes), decoded in pieces."""
+    decoder = codecs.getincrementaldecoder(json.detect_encoding(raw))("surrogatepass")
+    parts = [decoder.decode(raw[i:i + PIECE]) for i in range(0, len(raw), PIECE)]
+    parts.append(decoder.decode(b"", final=True))
+    return "".join(parts)
+
+
+def _skip(text: str, i: int) -> int:
+    """The index of the first non-whitespace character from `i`."""
+    m = _WS.match(text, i)
+    return m.end() if m else i
+
+
+def _value(text: str, i: int, depth: int) -> tuple[Any, int]:
+    c = text[i:i + 1]
+    if depth and c == "{":
+        return _object(text, i, depth)
+    if depth and c == "[":
+        return _array(text, i, depth)
+    try:
+        return _scan(text, i)
+    except StopIteration as e:
+        raise json.JSONDecodeError("Expecting value", text, e.value) from None
+
+
+def _next(text: str, i: int, close: str) -> tuple[bool, int]:
+    """After a member: (True, index after `close`) at the end, (False, index of the next member) after ','."""
+    i = _skip(text, i)
+    c = text[i:i + 1]
+    if c == close:
+        return True, i + 1
+    if c != ",":
+        raise json.JSONDecodeError("Expecting ',' delimiter", text, i)
+    return False, _skip(text, i + 1)
+
+
+def _object(text: str, i: int, depth: int) -> tuple[dict, int]:
+    out: dict = {}
+    i = _skip(text, i + 1)
+    if text[i:i + 1] == "}":
+        return out, i + 1
+    while True:
+        if text[i:i + 1] != '"':
+            raise json.JSONDecodeError("Expecting property name enclosed in double quotes", text, i)
+        key, i = _scan(text, i)
+        i = _skip(text, i)
+        if text[i:i + 1] != ":":
+            raise json.JSONDecodeError("Expecting ':' delimiter", text, i)
+        out[key], i = _value(text, _skip(text, i + 1), depth - 1)
+        done, i = _next(text, i, "}")
+        if done:
+            return out, i
+
+
+def _array(text: str, i: int, depth: int) -> tuple[list, int]:
+    out: list = []
+    i = _skip(text, i + 1)
+    if text[i:i + 1] == "]":
+        return out, i + 1
+    while True:
+        value, i = _value(text, i, depth - 1)
+        out.append(value)
+        done, i = _next(text, i, "]")
+        if done:
+            return out, i
+
+
+def loads(raw: bytes | str) -> Any:
+    """`json.loads(raw)`, with no single C call over the whole text."""
+    text = raw if isinstance(raw, str) else _decode(raw)
+    value, i = _value(text, _skip(text, 0), DEPTH)
+    i = _skip(text, i)
+    if i != len(text):
+        raise json.JSONDecodeError("Extra data", text, i)
+    return value
+
+
+def validate(model: type[M], raw: bytes) -> M:
+    """`raw` parsed and validated as `model`, or FastAPI's RequestValidationError (a 400 naming the field)."""
+    if not raw:
+        raise RequestValidationError([{"type": "missing", "loc": ("body",), "msg": "Field required", "input": None}])
+    with gc_paused:
+        try:
+            data = loads(raw)
+        except json.JSONDecodeError as e:  # as FastAPI words it
+            raise RequestValidationError([{"type": "json_invalid", "loc": ("body", e.pos), "msg": "JSON decode error",
+                                           "input": {}, "ctx": {"error": e.msg}}]) from None
+        except UnicodeDecodeError as e:
+            raise RequestValidationError([{"type": "json_invalid", "loc": ("body", e.start),
+                                           "msg": "JSON decode error", "input": {},
+                                           "ctx": {"error": f"not {e.encoding} text"}}]) from None
+        try:
+            return model.model_validate(data)
+        except ValidationError as e:
+            raise RequestValidationError([{**err, "loc": ("body", *err["loc"])} for err in e.errors()]) from None
+
+
+async def read(request: Request, model: type[M]) -> M:
+    """The request's body as `model`, parsed and validated in a worker thread."""
+    return await run_in_threadpool(validate, model, await request.body())
+
+
+def openapi_body(model: type[BaseModel], description: str | None = None) -> dict[str, Any]:
+    """`openapi_extra` for a route that reads its body with `read`: the body is `model` (added to the
+    document's components by `remat.serve.openapi`)."""
+    from remat.serve import openapi
+
+    openapi.BODY_MODELS.add(model)
+    body: dict[str, Any] = {"required": True, "content": {"application/json": {"schema": {
+        "$ref": f"#/components/schemas/{model.__name__}"}}}}
+    if description:
+        body["description"] = description
+    return {"requestBody": body}
