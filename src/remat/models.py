@@ -233,9 +233,8 @@ def build_from_config(config: transformers.PretrainedConfig, *, seed: int = 0) -
     with torch.random.fork_rng(devices=[]):  # leave the caller's RNG state alone
         torch.manual_seed(seed)
         try:
-            model = transformers.AutoModelForCausalLM.from_config(
-                config, dtype=torch.float32, attn_implementation="sdpa"
-            )
+            # transformers' default attention (SDPA where the model has it); remat selects its own in hf.prepare
+            model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
         except ValueError as e:
             raise ModelError(f"cannot build a causal LM from this config: {one_line(e)}") from None
     return model
@@ -252,7 +251,7 @@ def _finish(model: transformers.PreTrainedModel, tokenizer, name: str) -> Loaded
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
     return LoadedModel(model=model, tokenizer=tokenizer, name=name,
-                       max_ctx=int(model.config.max_position_embeddings))
+                       max_ctx=int(getattr(model.config, "max_position_embeddings", None) or 1 << 20))
 
 
 def _load_folder(folder: pathlib.Path) -> tuple[transformers.PreTrainedModel, transformers.PreTrainedTokenizerBase]:
@@ -260,7 +259,7 @@ def _load_folder(folder: pathlib.Path) -> tuple[transformers.PreTrainedModel, tr
         raise ModelError(f"folder '{folder}' has no *.safetensors weights")
     try:
         model = transformers.AutoModelForCausalLM.from_pretrained(
-            folder, dtype=torch.float32, attn_implementation="sdpa", local_files_only=True
+            folder, dtype=torch.float32, local_files_only=True
         )
     except (OSError, ValueError, KeyError) as e:
         raise ModelError(f"cannot load model from '{folder}': {one_line(e)}") from None
@@ -288,7 +287,7 @@ def _convert_gguf(path: pathlib.Path, dest: pathlib.Path) -> None:
     """Dequantize a GGUF into a safetensors folder at `dest`, all or nothing."""
     try:
         model = transformers.AutoModelForCausalLM.from_pretrained(
-            path.parent, gguf_file=path.name, dtype=torch.float32, attn_implementation="sdpa"
+            path.parent, gguf_file=path.name, dtype=torch.float32
         )
         tokenizer = transformers.AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
     except _LOAD_ERRORS as e:

@@ -3,7 +3,8 @@
 Each chunk of `ubatch` tokens is one traced step. Attention layers write the chunk's
 K/V rows in place into a preallocated per-layer cache (`index_copy_` at the chunk's
 positions: the reference's SET_ROWS) and attend over the cache up to each query's
-position. Hybrid (gated delta-net) layers read their conv and recurrent state from
+position (sliding-window layers too: their cache holds the whole window, their mask
+applies the window). Recurrent layers (gated delta-net, Mamba-2, LFM2 conv) read their conv and recurrent state from
 the previous chunk and write the new state in place. Earlier chunks' rows and states
 are placeholders without gradient: constants for this chunk's backward.
 """
@@ -17,7 +18,7 @@ from torch import nn
 
 from remat.capture import trace
 from remat.graph import TrainGraph
-from remat.hf import WalkCache, head_loss, prepare, state_shapes
+from remat.hf import WalkCache, model_loss, prepare, state_shapes
 
 
 def new_state(model: nn.Module, batch: int, ctx: int) -> dict[str, torch.Tensor]:
@@ -32,9 +33,8 @@ def chunk_loss(model: nn.Module, *inputs: torch.Tensor, names: list[str], loss_c
     chunk = input_ids.shape[1]
     cache = WalkCache(dict(zip(names, states)), offset, chunk)
     positions = cache.positions[None].expand(input_ids.shape[0], -1)
-    hidden = model.get_decoder()(input_ids=input_ids, position_ids=positions, cache=cache,
-                                 use_cache=True).last_hidden_state
-    return head_loss(model, hidden, labels, loss_chunk, n_targets)
+    return model_loss(model, labels, loss_chunk, n_targets, input_ids=input_ids, position_ids=positions, cache=cache,
+                      use_cache=True)
 
 
 def capture_chunk(model: nn.Module, batch: int, ctx: int, ubatch: int, *, loss_chunk: int = 0) -> TrainGraph:

@@ -1,0 +1,417 @@
+"""The conformance matrix: every decoder-only causal LM of the installed transformers, as a tiny model.
+
+The families come from transformers' own causal-LM auto mapping (`MODEL_FOR_CAUSAL_LM_MAPPING_NAMES`),
+not from a hand list. Each is built from its config class's defaults shrunk to a tiny size (2-4
+layers, hidden 64, vocab 256) that keeps the family's special features: every layer type of its
+pattern (sliding / full / linear / mamba / conv...), mixture of experts with few experts, logit
+scaling and softcapping, attention sinks. A family that is not a text decoder (encoder or
+encoder-decoder models, multimodal wrappers) or that cannot build from a tiny config is listed in
+`SKIPPED` with the reason.
+
+The oracle is the model's own definition: `model(input_ids, labels=hf_labels)` and `.backward()` in
+plain eager transformers, fp32. remat's labels are already the next token (`causal_lm_loss` does not
+shift); transformers shifts internally, so `hf_labels` is remat's labels moved one to the right.
+
+`python tests/conformance.py --table` prints the README's support table from the matrix.
+"""
+
+from __future__ import annotations
+
+import functools
+import sys
+from dataclasses import dataclass, field
+
+import torch
+import transformers
+from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+VOCAB, HIDDEN, BATCH, SEQ, UBATCH, WINDOW = 256, 64, 2, 16, 8, 4  # WINDOW: sliding / chunked attention, < SEQ
+
+# Tiny sizes, applied to the fields a config class has (its defaults' keys): nothing else is added.
+TINY = {
+    "vocab_size": VOCAB,
+    "hidden_size": HIDDEN,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 16,
+    "rotary_dim": 8,
+    "max_position_embeddings": 256,
+    "pad_token_id": 0,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+    # mixture of experts: few experts, two per token, one shared
+    "moe_intermediate_size": 32,
+    "shared_expert_intermediate_size": 32,
+    "num_experts": 4,
+    "num_local_experts": 4,
+    "n_routed_experts": 4,
+    "num_experts_per_tok": 2,
+    "n_shared_experts": 1,
+    "n_group": 1,
+    "topk_group": 1,
+    "first_k_dense_replace": 1,
+    "moe_layer_freq": 1,
+    "decoder_sparse_step": 1,
+    # local attention smaller than the sequence, so it matters
+    "sliding_window": WINDOW,
+    "attention_chunk_size": WINDOW,
+    # multi-head latent attention
+    "kv_lora_rank": 16,
+    "q_lora_rank": 32,
+    "qk_rope_head_dim": 8,
+    "qk_nope_head_dim": 8,
+    "v_head_dim": 16,
+    # linear attention (gated delta-net)
+    "linear_num_key_heads": 2,
+    "linear_num_value_heads": 4,
+    "linear_key_head_dim": 16,
+    "linear_value_head_dim": 16,
+    # state space layers
+    "state_size": 16,
+    "mamba_d_state": 16,
+    "mamba_n_heads": 8,
+    "mamba_d_head": 16,
+    "mamba_head_dim": 16,
+    "mamba_n_groups": 1,
+    "mamba_d_conv": 4,
+    "mamba_expand": 2,
+    "mamba_chunk_size": 8,
+    "chunk_size": 8,
+    "n_groups": 1,
+    "num_heads": 4,
+    "time_step_rank": 8,
+    "expand": 2,
+    "conv_kernel": 4,
+    # LFM2
+    "block_dim": HIDDEN,
+    "block_ff_dim": 128,
+    "conv_L_cache": 3,
+}
+
+# Dropout off: the oracle and remat must draw nothing (remat's dropout is tested elsewhere).
+DROPOUT_KEYS = ("attention_dropout", "hidden_dropout", "dropout", "resid_pdrop", "embd_pdrop", "attn_pdrop",
+                "hidden_dropout_prob", "attention_probs_dropout_prob", "classifier_dropout", "mlp_dropout",
+                "resid_dropout", "embedding_dropout", "attn_dropout", "activation_dropout", "ffn_dropout",
+                "router_jitter_noise", "input_jitter_noise", "summary_first_dropout", "layer_norm_dropout")
+
+# Per-family settings on top of TINY, to keep a feature the generic shrink would lose.
+FAMILY_OVERRIDES: dict[str, dict] = {
+    "gemma2": {"final_logit_softcapping": 30.0, "attn_logit_softcapping": 50.0},
+    "gemma3_text": {"final_logit_softcapping": 30.0},
+    "granite": {"logits_scaling": 4.0, "embedding_multiplier": 2.0, "residual_multiplier": 0.5,
+                "attention_multiplier": 0.1},
+    "cohere": {"logit_scale": 0.25},
+    "jamba": {"num_hidden_layers": 4, "attn_layer_period": 2, "attn_layer_offset": 1, "expert_layer_period": 2,
+              "expert_layer_offset": 1, "use_mamba_kernels": False},
+    "bamba": {"num_hidden_layers": 2, "attn_layer_indices": [1]},
+    "falcon_h1": {"mamba_d_ssm": 128, "lm_head_multiplier": 0.5, "embedding_multiplier": 2.0},
+    "nemotron_h": {"hybrid_override_pattern": "M*-E", "num_hidden_layers": 4},
+    "zamba": {"attn_layer_period": 2, "attn_layer_offset": 1, "num_hidden_layers": 4},
+    "zamba2": {"num_hidden_layers": 4, "hybrid_layer_ids": [1, 3]},
+    "gpt_neo": {"attention_types": [[["global", "local"], 1]], "num_layers": 2, "window_size": WINDOW},
+    "dots3_note_text": {"num_key_value_heads": 4},
+    "mamba2": {"num_heads": 8},
+    "gemma4_text": {"vocab_size_per_layer_input": VOCAB, "hidden_size_per_layer_input": 16},
+    "mamba": {"use_mambapy": True},
+    "falcon_mamba": {"use_mambapy": True},
+}
+
+# Families left out of the matrix by model_type: not text decoders (the mapping lists them because they
+# have a ForCausalLM head), with the reason.
+NOT_DECODERS = (
+    "bart", "bert", "bert-generation", "big_bird", "bigbird_pegasus", "blenderbot", "blenderbot-small",
+    "camembert", "data2vec-text", "electra", "ernie", "marian", "mbart", "megatron-bert", "mvp", "pegasus",
+    "plbart", "prophetnet", "rembert", "roberta", "roberta-prelayernorm", "roc_bert", "roformer", "trocr",
+    "whisper", "xlm", "xlm-roberta", "xlm-roberta-xl", "xmod", "reformer", "xlnet", "moshi", "musicgen",
+    "musicgen_melody", "git", "mllama", "fuyu",
+)
+
+
+@dataclass
+class Family:
+    name: str  # the model_type
+    cls: str  # the ForCausalLM class name in the mapping
+    skip: str | None = None  # why it is not in the matrix
+    overrides: dict = field(default_factory=dict)
+
+
+def _layer_types(types: list[str], n: int) -> list[str]:
+    """The first `n` (2-4) layer types, with every distinct type of the pattern kept."""
+    distinct = list(dict.fromkeys(types))
+    n = min(4, max(n, len(distinct)))
+    out = list(types[:n])
+    missing = [t for t in distinct if t not in out]
+    for i, t in enumerate(missing):
+        out[n - len(missing) + i] = t
+    return out
+
+
+def tiny_config(name: str, **extra: object) -> transformers.PretrainedConfig:
+    """The family's config: its defaults, shrunk to TINY where it has the field, plus its overrides."""
+    default = transformers.AutoConfig.for_model(name)
+    if getattr(default, "text_config", None) is not None and not isinstance(default.text_config, dict):
+        raise ValueError("composite config (text_config): the text model is listed under its own name")
+    keys = set(default.to_dict()) | set(getattr(default, "attribute_map", {}))
+    d = {k: v for k, v in TINY.items() if k in keys}
+    d |= {k: 0.0 for k in DROPOUT_KEYS if k in keys and isinstance(getattr(default, k, None), (int, float))}
+    d |= FAMILY_OVERRIDES.get(name, {}) | extra
+    if "qk_rope_head_dim" in d:  # multi-head latent attention: the rotary part is the head dim
+        d["head_dim"] = d["qk_rope_head_dim"]
+        d["num_key_value_heads"] = d["num_attention_heads"]
+    types = getattr(default, "layer_types", None)
+    field_name = getattr(default, "attribute_map", {}).get("layer_types", "layer_types")
+    if types and not isinstance(getattr(type(default), field_name, None), property):
+        d["layer_types"] = _layer_types(types, d.get("num_hidden_layers", 2))
+        d["num_hidden_layers"] = len(d["layer_types"])
+    return transformers.AutoConfig.for_model(name, **d)
+
+
+def build(name: str, *, seed: int = 0, attn: str | None = "eager", **extra: object) -> transformers.PreTrainedModel:
+    """The tiny model of a family, fp32, train mode, random weights fixed by `seed`."""
+    config = tiny_config(name, **extra)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation=attn)
+    model.config.use_cache = False
+    return model.train()
+
+
+@functools.cache
+def families() -> list[Family]:
+    """Every causal-LM architecture of the installed transformers, one per (config, model) class pair."""
+    out, seen = [], set()
+    for name, cls in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.items():
+        f = Family(name, cls)
+        try:
+            config_cls = type(transformers.AutoConfig.for_model(name)).__name__
+        except Exception as e:  # noqa: BLE001 - any failure is a reason to skip
+            f.skip = f"no config: {type(e).__name__}"
+            out.append(f)
+            continue
+        if (config_cls, cls) in seen:
+            f.skip = f"same classes as another entry ({config_cls}, {cls})"
+        elif name in NOT_DECODERS:
+            f.skip = "not a decoder-only text model"
+        elif "ConditionalGeneration" in cls:
+            f.skip = "multimodal wrapper (its text model has its own entry)"
+        seen.add((config_cls, cls))
+        out.append(f)
+    return out
+
+
+def batch(seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """ids and remat's labels (the next token; -100 ignored, the last position always ignored)."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(3, VOCAB, (BATCH, SEQ), generator=g)
+    labels = torch.cat([ids[:, 1:], torch.full((BATCH, 1), -100)], dim=1)
+    labels[:, :3] = -100
+    return ids, labels
+
+
+def hf_labels(labels: torch.Tensor) -> torch.Tensor:
+    """remat's labels as transformers takes them: it shifts left by one, so shift right by one."""
+    assert (labels[:, -1] == -100).all()
+    return torch.cat([torch.full_like(labels[:, :1], -100), labels[:, :-1]], dim=1)
+
+
+def oracle(model: torch.nn.Module, ids: torch.Tensor, labels: torch.Tensor,
+           names: list[str]) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """The model's own loss and the grads of the named parameters: eager forward + backward."""
+    params = dict(model.named_parameters())
+    model.zero_grad(set_to_none=True)
+    loss = model(input_ids=ids, labels=hf_labels(labels), use_cache=False).loss
+    loss.backward()
+    grads = [params[n].grad.detach().clone() if params[n].grad is not None else torch.zeros_like(params[n])
+             for n in names]
+    model.zero_grad(set_to_none=True)
+    return loss.detach(), grads
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    """Relative difference |a - b| / |b| (norms), 0 when both are zero."""
+    den = b.double().norm().item()
+    num = (a.double() - b.double()).norm().item()
+    return num / den if den else num
+
+
+# ------------------------------------------------------------------------------------------ the checks
+
+TOL = 1e-5  # relative, fp32
+MAX_PARAMS = 3_000_000
+
+
+def _one_line(e: BaseException) -> str:
+    return f"{type(e).__name__}: {' '.join(str(e).split())[:240]}"
+
+
+@dataclass
+class Report:
+    """What one family does in remat, each check run once (the tests assert on it, the table prints it)."""
+
+    name: str
+    refused: dict[str, str] = field(default_factory=dict)  # check -> remat's one-line refusal
+    errors: dict[str, str] = field(default_factory=dict)  # check -> anything else that went wrong
+    loss_rel: dict[str, float] = field(default_factory=dict)  # "off" / "on" -> vs the model's own loss
+    grad_rel: dict[str, float] = field(default_factory=dict)  # worst parameter
+    bitwise: bool | None = None  # recompute on == off
+    planned: int | None = None
+    measured: int | None = None
+    walk_rel: float | None = None  # walk window loss vs the ubatch loss
+    lora_changed: bool | None = None
+    lora_note: str = ""
+
+    def status(self, check: str) -> str:
+        if check in self.refused:
+            return "refused"
+        if check in self.errors:
+            return "error"
+        ok = {
+            "ubatch": self.bitwise and self.planned == self.measured
+            and max(self.loss_rel.values(), default=1) <= TOL,
+            "full": max(self.grad_rel.values(), default=1) <= TOL,
+            "walk": self.walk_rel is not None and self.walk_rel <= TOL,
+            "LoRA": bool(self.lora_changed),
+        }[check]
+        return "yes" if ok else "differs"
+
+
+def _refusal() -> type[Exception]:
+    from remat.hf import UnsupportedModel
+
+    return UnsupportedModel
+
+
+def _attempt(report: Report, check: str, fn) -> object:
+    try:
+        return fn()
+    except _refusal() as e:
+        report.refused[check] = str(e)
+    except Exception as e:  # noqa: BLE001 - recorded for the test to show
+        report.errors[check] = _one_line(e)
+    return None
+
+
+@functools.cache
+def check(name: str) -> Report:
+    """Run every check of one family: oracle, ubatch (recompute off, on), plan vs measured, walk, LoRA."""
+    from remat import adapters, models, walk
+    from remat.capture import capture
+    from remat.graph import StepInputs
+    from remat.plan import measure, plan
+    from remat.recompute import rewrite
+
+    report = Report(name)
+    ids, labels = batch()
+    reference = build(name, attn=None)  # the model as transformers builds it by default
+    names = [n for n, _ in reference.named_parameters()]
+    loss, grads = oracle(reference, ids, labels, names)
+    del reference
+    model = models.build_from_config(tiny_config(name))
+    model.train()
+
+    def ubatch():
+        tg = capture(model, ids, labels)
+        args = StepInputs.of(model).args(ids, labels)
+        trainable = list(StepInputs.of(model).trainable)
+        by_name = dict(zip(names, grads))
+        off = tg(*args)
+        rt = rewrite(tg)
+        on, measured = measure(rt, args)
+        on = (on[0], on[1:])
+        for key, (value, g) in (("off", off), ("on", on)):
+            report.loss_rel[key] = rel(value, loss)
+            report.grad_rel[key] = max(rel(a, by_name[n]) for n, a in zip(trainable, g))
+        report.bitwise = bool(torch.equal(off[0], on[0]) and all(torch.equal(a, b) for a, b in zip(off[1], on[1])))
+        report.planned, report.measured = plan(rt).graph, measured.graph
+        return off[0]
+
+    ubatch_loss = _attempt(report, "ubatch", ubatch)
+    if "ubatch" in report.refused:
+        report.refused.setdefault("full", report.refused["ubatch"])
+
+    def walked():
+        tg = walk.capture_chunk(model, BATCH, SEQ, UBATCH)
+        state = walk.new_state(model, BATCH, SEQ)
+        n_targets = (labels != -100).sum().to(torch.float32)
+        tensors = StepInputs.of(model)
+        total = 0
+        for start in range(0, SEQ, UBATCH):
+            piece = [t[:, start:start + UBATCH].contiguous() for t in (ids, labels)]
+            total = total + tg(*tensors.args(*state.values(), torch.tensor(start), n_targets, *piece))[0]
+        if ubatch_loss is not None:
+            report.walk_rel = rel(total, ubatch_loss)
+
+    _attempt(report, "walk", walked)
+
+    def lora():
+        base = models.build_from_config(tiny_config(name))
+        base.train()
+        pm = adapters.apply_lora(base, adapters.LoraSettings())
+        report.lora_note = getattr(pm, "_remat_lora_note", "")
+        tensors = StepInputs.of(pm)
+        before = {k: v.detach().clone() for k, v in tensors.trainable.items()}
+        tg = capture(pm, ids, labels)
+        _, g = tg(*tensors.args(ids, labels))
+        opt = torch.optim.AdamW(list(tensors.trainable.values()), lr=1e-2)
+        for p, gi in zip(tensors.trainable.values(), g):
+            p.grad = gi
+        opt.step()
+        report.lora_changed = any(not torch.equal(before[k], v) for k, v in tensors.trainable.items())
+
+    _attempt(report, "LoRA", lora)
+    return report
+
+
+def matrix_families() -> list[str]:
+    """The families in the matrix: every decoder-only entry of the mapping whose tiny model builds."""
+    return [f.name for f in families() if f.skip is None and build_error(f.name) is None]
+
+
+@functools.cache
+def build_error(name: str) -> str | None:
+    """Why the tiny model of a family cannot be built and run by transformers itself (None: it can)."""
+    try:
+        with torch.device("meta"):
+            size = sum(p.numel() for p in transformers.AutoModelForCausalLM.from_config(tiny_config(name)).parameters())
+        if size > MAX_PARAMS:
+            return f"its config did not shrink: {size:,} parameters (fields named unlike the tiny sizes)"
+        model = build(name, attn=None)
+        ids, labels = batch()
+        with torch.no_grad():
+            model(input_ids=ids[:, :4], labels=hf_labels(labels[:, :4].clone().fill_(-100)), use_cache=False)
+    except Exception as e:  # noqa: BLE001 - the reason is the point
+        return _one_line(e)
+    return None
+
+
+# ------------------------------------------------------------------------------------------ the table
+
+
+def table(rows: dict[str, dict[str, str]]) -> str:
+    """Markdown: family x ubatch / walk / LoRA / full, from {family: {column: status}}."""
+    cols = ("ubatch", "walk", "LoRA", "full")
+    lines = ["| family | " + " | ".join(cols) + " | notes |", "|---|" + "---|" * len(cols) + "---|"]
+    for name in sorted(rows):
+        r = rows[name]
+        lines.append(f"| {name} | " + " | ".join(r.get(c, "") for c in cols) + f" | {r.get('notes', '')} |")
+    return "\n".join(lines)
+
+
+def report_row(r: Report) -> dict[str, str]:
+    row = {c: r.status(c) for c in ("ubatch", "walk", "LoRA", "full")}
+    notes = sorted({f"{c}: {m}" for c, m in r.refused.items() if c != "full"})
+    if r.lora_note:
+        notes.append(r.lora_note)
+    row["notes"] = "; ".join(notes).replace("|", "/")
+    return row
+
+
+if __name__ == "__main__":
+    torch.set_num_threads(1)
+    if "--list" in sys.argv:
+        for f in families():
+            print(f.name, f.cls, f.skip or "")
+    elif "--table" in sys.argv:
+        print(table({name: report_row(check(name)) for name in matrix_families()}))

@@ -1,0 +1,107 @@
+"""The conformance matrix: each decoder-only causal LM of the installed transformers trains in remat exactly
+as the model defines it, or is refused before training with a one-line reason naming the feature.
+
+Families come from transformers' causal-LM auto mapping (tests/conformance.py builds each as a tiny
+model that keeps its features). For each: (i) remat's loss and grads, recompute off and on, against the
+model's own eager forward + backward (relative difference <= 1e-5, fp32); (ii) recompute on == off
+bitwise; (iii) planned graph peak == measured; (iv) the walk's window loss == the ubatch loss;
+(v) LoRA trains (one step changes the adapter). Each family's checks run once (`conformance.check`).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import conformance as C
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+FAMILIES = C.matrix_families()
+
+
+def _no_errors(r: C.Report, check: str) -> None:
+    assert check not in r.errors, f"{r.name} {check}: {r.errors[check]}"
+
+
+def _refusal_is_one_line(message: str) -> None:
+    assert message and "\n" not in message and len(message) < 400, message
+
+
+def test_the_matrix_is_generated_from_transformers():
+    names = {f.name for f in C.families()}
+    assert {"llama", "mistral", "gemma2", "mixtral", "qwen3_moe", "falcon", "mamba"} <= names
+    assert len(FAMILIES) >= 45
+    skipped = [f for f in C.families() if f.skip is not None]
+    assert all(f.skip for f in skipped)  # every family left out says why
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_loss_and_grads_are_the_models(name):
+    """(i) and (ii): against `model(input_ids, labels=labels).loss.backward()`, recompute off and on."""
+    r = C.check(name)
+    _no_errors(r, "ubatch")
+    if "ubatch" in r.refused:
+        _refusal_is_one_line(r.refused["ubatch"])
+        return
+    for key in ("off", "on"):
+        assert r.loss_rel[key] <= C.TOL, (key, r.loss_rel)
+        assert r.grad_rel[key] <= C.TOL, (key, r.grad_rel)
+    assert r.bitwise, "recompute on and off differ"
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_planned_graph_peak_is_measured(name):
+    """(iii) with recompute on: the planner's peak is what the run holds."""
+    r = C.check(name)
+    if "ubatch" in r.refused:
+        pytest.skip(r.refused["ubatch"])
+    _no_errors(r, "ubatch")
+    assert r.planned == r.measured > 0
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_walk_loss_is_the_window_loss(name):
+    """(iv) the walk (chunks over the cache and carried state) gives the one-graph loss, or is refused."""
+    r = C.check(name)
+    _no_errors(r, "walk")
+    if "walk" in r.refused:
+        _refusal_is_one_line(r.refused["walk"])
+        assert r.refused["walk"].startswith("the walk path does not support")
+        return
+    assert r.walk_rel is not None and r.walk_rel <= C.TOL, r.walk_rel
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_lora_trains(name):
+    """(v) one step with a LoRA adapter on every linear layer PEFT accepts changes the adapter."""
+    r = C.check(name)
+    _no_errors(r, "LoRA")
+    if "LoRA" in r.refused:
+        _refusal_is_one_line(r.refused["LoRA"])
+        return
+    assert r.lora_changed
+
+
+@pytest.mark.parametrize("name", ["mixtral", "qwen3_moe"])
+def test_router_aux_loss_is_the_models(name):
+    """With output_router_logits the model adds its load-balancing loss: remat's loss includes it, and the
+    walk, which sees one chunk's routing at a time, refuses it before training."""
+    from remat import models, walk
+    from remat.capture import capture
+    from remat.graph import StepInputs
+    from remat.hf import UnsupportedModel
+
+    ids, labels = C.batch()
+    reference = C.build(name, attn=None, output_router_logits=True)
+    loss, _ = C.oracle(reference, ids, labels, [])
+    plain = C.build(name, attn=None)
+    without_aux, _ = C.oracle(plain, ids, labels, [])
+    assert loss != without_aux  # the aux loss is really part of the model's loss
+    model = models.build_from_config(C.tiny_config(name, output_router_logits=True)).train()
+    tg = capture(model, ids, labels)
+    with torch.no_grad():
+        ours, _ = tg(*StepInputs.of(model).args(ids, labels))
+    assert C.rel(ours, loss) <= C.TOL
+    with pytest.raises(UnsupportedModel, match="router aux loss"):
+        walk.capture_chunk(model, C.BATCH, C.SEQ, C.UBATCH)
