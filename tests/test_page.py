@@ -210,14 +210,35 @@ def test_train_plan_then_live_loss_curve(page, server):
     p.fill("#t-ctx", "32")
     p.fill("#t-epochs", "3")
     p.fill("#t-lr", "0.01")
-    p.click("#t-submit")
+    jobs_before = len(server.request("GET", "/train")[1]["data"])
+
+    # Plan first: the server's plans and the gate's choice, nothing queued
+    p.click("#t-plan")
     plan = p.wait_for_selector("#plan:not([hidden])", timeout=60_000)
     text = plan.inner_text()
-    assert "recompute off" in text and "recompute on" in text, text
+    assert "recompute off" in text and "recompute on" in text and "not queued" in text, text
     assert p.locator("#plan .plan-row.chosen").count() == 1
-    job_id = p.evaluate("window.__remat.follow.id")
-    assert server.request("GET", f"/train/{job_id}")[1]["recompute_reason"] in text  # the gate's reason
+    planned = p.evaluate("window.__remat.planned")
+    assert planned["recompute_reason"] in text and f"Policy {planned['policy']}" in text  # the gate's choice, why
+    assert len(server.request("GET", "/train")[1]["data"]) == jobs_before
+
+    # a policy other than off and on: its own bar beside them, chosen
+    p.select_option("#t-recompute", "dots")
+    p.click("#t-plan")
+    p.wait_for_selector("#plan .plan-row.chosen[data-plan=dots]", timeout=60_000)
+    assert p.locator("#plan .plan-row").count() == 3 and "policy dots" in p.inner_text("#plan")
+    p.select_option("#t-recompute", "auto")
+    p.click("#t-plan")
+    p.wait_for_selector("#plan .plan-row.chosen[data-plan=off]", timeout=60_000)
     page.shot("train")
+
+    # then Submit queues it
+    p.click("#t-submit")
+    p.wait_for_function("() => window.__remat.follow && document.querySelector('#plan').textContent.includes("
+                        "'Queued as ' + window.__remat.follow.id)", timeout=60_000)
+    job_id = p.evaluate("window.__remat.follow.id")
+    assert server.request("GET", f"/train/{job_id}")[1]["recompute_reason"] in p.inner_text("#plan")
+    assert len(server.request("GET", "/train")[1]["data"]) == jobs_before + 1
 
     page.tab("jobs")
     p.wait_for_selector(f"#job-list li[data-job='{job_id}']")
@@ -290,6 +311,36 @@ def test_bad_file_and_refused_records_show_their_messages(page, server):
     p.set_input_files("#t-file", files=[])
 
 
+def test_budget_field_refusal_shows_its_figures(page, server):
+    page.tab("train")
+    p = page.page
+    p.set_input_files("#t-file", files=[])
+    p.fill("#t-data", records_jsonl(2))
+    p.fill("#t-ctx", "32")
+    jobs_before = len(server.request("GET", "/train")[1]["data"])
+    plans = server.request("POST", "/train/plan", {"data": [{"text": CAT * 6}] * 2, "ctx": 32})[1]["plans"]
+    lora = sum(plans["on"][k] for k in ("params", "grads", "optimizer"))  # above the adapter, below every plan
+    budget = f"{(lora + 2048) / 1024:.0f}KiB"
+    p.fill("#t-budget-input", budget)
+    for button in ("#t-plan", "#t-submit"):
+        p.click(button)
+        p.wait_for_selector(f"{button}:not([disabled])")
+        p.wait_for_function("() => document.querySelector('#train-error').textContent.startsWith('422')")
+        status, body = server.request("POST", "/train/plan", {"data": [{"text": CAT * 6}] * 2, "ctx": 32,
+                                                              "memory_budget": budget})
+        assert status == 422 and body["error"]["message"] in page.error_text("#train-error")
+        text = p.wait_for_selector("#plan:not([hidden])").inner_text()
+        assert "Refused" in text and "over budget" in text and "recompute on" in text, text
+        assert f"budget {body['error']['budget'] / 1024:.1f} KiB" in text  # the job's own budget, its figures
+        assert p.locator("#plan .plan-row .badge.bad").count() == p.locator("#plan .plan-row").count() >= 2
+    assert len(server.request("GET", "/train")[1]["data"]) == jobs_before  # nothing queued
+    p.fill("#t-budget-input", "lots")
+    p.click("#t-plan")
+    p.wait_for_function("() => document.querySelector('#train-error').textContent.startsWith('400')")
+    assert "memory_budget" in page.error_text("#train-error")
+    p.fill("#t-budget-input", "")
+
+
 def test_reconnect_cancel_and_resume(page, server):
     job = server.request("POST", "/train", {"data": [{"text": CAT * 6}], "ctx": 32, "epochs": 400,
                                             "name": "long"})[1]
@@ -353,7 +404,9 @@ def test_api_key_and_memory_refusal(browser, keyed):
         message = page.error_text("#train-error")
         assert message.startswith("422") and body["error"]["message"] in message  # the server's own words
         plan = p.wait_for_selector("#plan:not([hidden])").inner_text()
-        assert "Refused" in plan and "over budget" in plan and "recompute on" in plan
+        # 64 KiB is below the adapter's own weights, grads and optimizer states: refused before planning
+        need = body["error"]["lora_bytes"] / 1024
+        assert "Refused" in plan and f"adapter alone needs {need:.1f} KiB of the budget 64.0 KiB" in plan, plan
         page.shot("train-refused")
     finally:
         page.close()

@@ -177,6 +177,20 @@ def test_huge_texts_are_refused_before_tokenizing_and_health_answers(server):
     assert out["error"]["type"] == "exceed_context_size_error"
 
 
+def test_huge_train_body_is_validated_off_the_event_loop(server):
+    """A 57 MiB training job is parsed and validated in a worker thread, in pieces, with the collector paused:
+    /health answers meanwhile (it waited ~600 ms when FastAPI parsed and validated it on the event loop)."""
+    turn = [{"role": "user", "content": "What is remat? " * 20},
+            {"role": "assistant", "content": "A fine-tuner that recomputes. " * 20}]
+    records = [{"messages": turn}] * 60_000 + [{"txt": "no text"}]  # the last one is bad: a 400 once all is read
+    raw = json.dumps({"data": records, "ctx": 32}).encode()
+    assert len(raw) > 50 << 20
+    for path in ("/train", "/train/plan"):
+        got, out = server.request("POST", path, raw=raw)
+        refused(out, 400, got, "data.60000")
+        assert health_while(server, lambda p=path: server.request("POST", p, raw=raw)) < 100, path
+
+
 def test_bad_inputs_are_4xx_and_health_stays_fast(server):
     for _, method, path, body, status, _, _ in BAD_INPUTS:
         def send(m=method, p=path, b=body, status=status):

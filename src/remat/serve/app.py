@@ -58,8 +58,9 @@ def create_app(*, model: str | None = None, parallel: int = 1, api_keys: list[st
     """The FastAPI app; the options are `remat serve`'s. `model`: a spec for `load_model` (None: the embedded
     default). The model loads in a background thread when the app starts (lifespan): /health answers 503
     until it is ready. `on_load_error(message)` is called if loading fails."""
-    app = FastAPI(title="remat", version=VERSION, lifespan=lifespan, default_response_class=errors.SafeJSONResponse,
-                  description="Serve a model and fine-tune it: llama.cpp's and OpenAI's API shapes.")
+    app = openapi.App(title="remat", version=VERSION, lifespan=lifespan,
+                      default_response_class=errors.SafeJSONResponse,
+                      description="Serve a model and fine-tune it: llama.cpp's and OpenAI's API shapes.")
     app.state.server = Server(model=model, parallel=parallel, max_slowdown_ppm=max_slowdown_ppm,
                               memory_budget=memory_budget, state_dir=Path(state_dir), n_ctx=n_ctx,
                               on_load_error=on_load_error)

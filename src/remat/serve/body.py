@@ -15,21 +15,28 @@ from __future__ import annotations
 import codecs
 import gc
 import json
+import json.scanner
 import re
 import threading
-from typing import Any, TypeVar
+from collections.abc import Callable
+from typing import Any, Generic, TypeVar
 
 from fastapi import Request
 from fastapi.exceptions import RequestValidationError
 from pydantic import BaseModel, ValidationError
 from starlette.concurrency import run_in_threadpool
 
-__all__ = ["loads", "openapi_body", "read", "validate"]
+from remat.serve.errors import ApiError
+
+__all__ = ["Parsed", "answer", "gc_paused", "loads", "openapi_body", "read", "validate"]
 
 M = TypeVar("M", bound=BaseModel)
+R = TypeVar("R")
 
 _WS = re.compile(r"[ \t\n\r]*")
-_scan = json.JSONDecoder().scan_once  # one JSON value at an index, in C: (value, end) or StopIteration(index)
+# One JSON value at an index, in C: (value, end), or StopIteration(index) when none starts there. (typeshed
+# types make_scanner's argument as make_scanner itself; it takes the decoder whose settings it reads.)
+_scan = json.scanner.make_scanner(json.JSONDecoder())  # type: ignore[arg-type]
 PIECE = 1 << 20  # bytes decoded per call
 DEPTH = 2  # the top object and the arrays in it are walked here; deeper values are one C call each
 
@@ -135,29 +142,72 @@ def loads(raw: bytes | str) -> Any:
     return value
 
 
+def _errors(e: ValidationError) -> list[dict[str, Any]]:
+    """FastAPI's error list for a body, without the inputs (they are parts of the body: see `validate`)."""
+    return [{**{k: v for k, v in err.items() if k != "input"}, "loc": ("body", *err["loc"])} for err in e.errors()]
+
+
 def validate(model: type[M], raw: bytes) -> M:
-    """`raw` parsed and validated as `model`, or FastAPI's RequestValidationError (a 400 naming the field)."""
+    """`raw` parsed and validated as `model`, or FastAPI's RequestValidationError (a 400 naming the field).
+    A refused body's objects are freed here, not in the thread that handles the error (the event loop)."""
     if not raw:
         raise RequestValidationError([{"type": "missing", "loc": ("body",), "msg": "Field required", "input": None}])
+    errors: list[dict[str, Any]] = []
     with gc_paused:
         try:
             data = loads(raw)
         except json.JSONDecodeError as e:  # as FastAPI words it
-            raise RequestValidationError([{"type": "json_invalid", "loc": ("body", e.pos), "msg": "JSON decode error",
-                                           "input": {}, "ctx": {"error": e.msg}}]) from None
+            errors = [{"type": "json_invalid", "loc": ("body", e.pos), "msg": "JSON decode error", "input": {},
+                       "ctx": {"error": e.msg}}]
         except UnicodeDecodeError as e:
-            raise RequestValidationError([{"type": "json_invalid", "loc": ("body", e.start),
-                                           "msg": "JSON decode error", "input": {},
-                                           "ctx": {"error": f"not {e.encoding} text"}}]) from None
-        try:
-            return model.model_validate(data)
-        except ValidationError as e:
-            raise RequestValidationError([{**err, "loc": ("body", *err["loc"])} for err in e.errors()]) from None
+            errors = [{"type": "json_invalid", "loc": ("body", e.start), "msg": "JSON decode error", "input": {},
+                       "ctx": {"error": f"not {e.encoding} text"}}]
+        else:
+            try:
+                return model.model_validate(data)
+            except ValidationError as e:
+                errors = _errors(e)
+            del data
+    raise RequestValidationError(errors)
 
 
-async def read(request: Request, model: type[M]) -> M:
+class Parsed(Generic[M]):
+    """A parsed body, handed over once (`take`): whoever takes it holds the last reference, so the thread
+    that uses it frees it (a request's dependencies are otherwise freed on the event loop)."""
+
+    def __init__(self, value: M):
+        self._value: M | None = value
+
+    def take(self) -> M:
+        value, self._value = self._value, None
+        if value is None:
+            raise RuntimeError("the body was already taken")
+        return value
+
+
+async def read(request: Request, model: type[M]) -> Parsed[M]:
     """The request's body as `model`, parsed and validated in a worker thread."""
-    return await run_in_threadpool(validate, model, await request.body())
+    return Parsed(await run_in_threadpool(validate, model, await request.body()))
+
+
+def _answer(fn: Callable[[M], R], parsed: Parsed[M]) -> R:
+    value = parsed.take()
+    error: ApiError | None = None
+    with gc_paused:
+        try:
+            answer = fn(value)
+        except ApiError as e:  # raised anew below: its traceback's frames hold the body, freed here
+            error = ApiError(e.status, e.message, code=e.code, type=e.type, extra=e.extra)
+        del value
+    if error is not None:
+        raise error
+    return answer
+
+
+async def answer(fn: Callable[[M], R], parsed: Parsed[M]) -> R:
+    """`fn(body)` in a worker thread, with the collector paused; the body is freed in that thread, whether
+    `fn` answers or raises ApiError."""
+    return await run_in_threadpool(_answer, fn, parsed)
 
 
 def openapi_body(model: type[BaseModel], description: str | None = None) -> dict[str, Any]:

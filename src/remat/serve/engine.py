@@ -21,10 +21,17 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from remat.serve.errors import ApiError
+
+if TYPE_CHECKING:
+    from peft import PeftModel
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+    from remat.models import LoadedModel
 
 __all__ = ["Engine", "Generation", "SamplingParams"]
 
@@ -109,7 +116,7 @@ class _Slots:
     def waiting(self) -> int:
         return len(self.queue)
 
-    def acquire(self, key: object, apply: Callable[[object], None], cancel: threading.Event | None = None) -> bool:
+    def acquire(self, key: Any, apply: Callable[[Any], None], cancel: threading.Event | None = None) -> bool:
         """False (and no slot) when `cancel` is set while waiting."""
         ticket = object()
         with self.cond:
@@ -238,6 +245,11 @@ class Generation:
 class Engine:
     """The served model. `load()` (slow) must finish before anything else is called."""
 
+    # set by load(): nothing reads them before (the routes wait for the server to be ready)
+    lm: LoadedModel
+    model: PreTrainedModel
+    tokenizer: PreTrainedTokenizerBase
+
     def __init__(self, spec: str | None, *, parallel: int = 1, n_ctx: int | None = None, scheduler=None,
                  adapters: Callable[[], list[dict]] | None = None, seed: int = 0):
         if parallel < 1:
@@ -247,15 +259,12 @@ class Engine:
         self.scheduler = scheduler
         self.adapter_source = adapters or list
         self.slots = _Slots(parallel)
-        self.lm = None
-        self.model = None
-        self.tokenizer = None
         self.name = spec or "default"
         self.n_ctx = n_ctx or 0
         self.eos_ids: set[int] = set()
         self.ready = threading.Event()
         self.load_error: str | None = None
-        self._peft = None  # the PEFT wrapper, once an adapter is loaded
+        self._peft: PeftModel | None = None  # the PEFT wrapper, once an adapter is loaded
         self._loaded: dict[int, tuple[str, str]] = {}  # adapter id -> (PEFT adapter name, path)
         self._cache_kw = "cache"
         self._stats_lock = threading.Lock()
@@ -290,7 +299,9 @@ class Engine:
         self.ready.set()
 
     def vocab_size(self) -> int:
-        return int(self.model.get_input_embeddings().weight.shape[0])
+        weight = self.model.get_input_embeddings().weight
+        assert isinstance(weight, torch.Tensor)  # torch types a submodule's attribute as Tensor | Module
+        return int(weight.shape[0])
 
     # -- tokens -----------------------------------------------------------------------------------------
 
@@ -314,7 +325,9 @@ class Engine:
 
     def detokenize(self, tokens: list[int]) -> str:
         self.check_tokens(tokens)
-        return self.tokenizer.decode(tokens, skip_special_tokens=False)
+        text = self.tokenizer.decode(tokens, skip_special_tokens=False)
+        assert isinstance(text, str)  # one sequence of ids: one text
+        return text
 
     def chat_prompt(self, messages: list[dict]) -> tuple[str, list[int]]:
         self.check_text(sum(len(m["content"]) for m in messages))
@@ -322,6 +335,7 @@ class Engine:
             text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
         except Exception as e:  # noqa: BLE001 - a template that rejects these messages (roles, order)
             raise ApiError(400, f"cannot apply the chat template: {_one_line(e)}") from None
+        assert isinstance(text, str)  # tokenize=False: the rendered text
         self.check_text(len(text))
         return text, self.tokenize(text, add_special=False)  # the template writes any BOS itself
 
@@ -370,7 +384,7 @@ class Engine:
         import peft
 
         name = f"adapter_{adapter_id}"
-        if adapter_id in self._loaded:  # the same id at a new path: replace it
+        if adapter_id in self._loaded and self._peft is not None:  # the same id at a new path: replace it
             self._peft.delete_adapter(self._loaded.pop(adapter_id)[0])
         if not (Path(path) / "adapter_config.json").is_file():
             raise ApiError(400, f"adapter {adapter_id} cannot be loaded: '{path}' has no adapter_config.json")
@@ -390,7 +404,7 @@ class Engine:
 
     def _apply_lora(self, key: tuple[tuple[int, float, str], ...]) -> None:
         """Make the model compute with exactly these adapters at these scales (nobody decodes meanwhile)."""
-        from peft.tuners.lora import LoraLayer
+        from peft.tuners.lora import LoraLayer, LoraModel
 
         for i, _, path in key:
             if self._loaded.get(i, (None, None))[1] != path:
@@ -398,6 +412,7 @@ class Engine:
         if self._peft is None:
             return  # no adapter was ever loaded: the plain model
         tuner = self._peft.base_model
+        assert isinstance(tuner, LoraModel)  # every adapter here is a LoRA
         if not key:
             tuner.disable_adapter_layers()
             return

@@ -10,6 +10,8 @@ from __future__ import annotations
 import json
 import logging
 import math
+from collections.abc import Mapping, Sequence
+from typing import Any, TypeVar
 
 from fastapi import Request
 from fastapi.exceptions import RequestValidationError
@@ -21,6 +23,7 @@ __all__ = ["ApiError", "ErrorResponse", "SafeJSONResponse", "error_body", "error
            "responses"]
 
 log = logging.getLogger("remat.serve")
+M = TypeVar("M", bound=BaseModel)
 
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
                404: "not_found_error", 405: "invalid_request_error", 408: "invalid_request_error",
@@ -145,7 +148,7 @@ def _where(loc: tuple) -> str:
     return ".".join(parts)
 
 
-def _message(kind: str, where: str, err: dict) -> str:
+def _message(kind: str, where: str, err: Mapping[str, Any]) -> str:
     if not where:
         if kind in ("model_attributes_type", "dict_type", "model_type"):
             return "the request body must be a JSON object"
@@ -159,7 +162,7 @@ def _message(kind: str, where: str, err: dict) -> str:
     return err.get("msg", "invalid value")
 
 
-def validation_message(errors: list[dict]) -> str:
+def validation_message(errors: Sequence[Mapping[str, Any]]) -> str:
     """One line naming each bad field, from pydantic's errors."""
     by_field: dict[str, list[str]] = {}
     for err in errors:
@@ -180,7 +183,7 @@ def validation_message(errors: list[dict]) -> str:
     return "; ".join(msgs) + more
 
 
-def _param(errors: list[dict]) -> str | None:
+def _param(errors: Sequence[Mapping[str, Any]]) -> str | None:
     wheres = [_where(tuple(e.get("loc", ()))) for e in errors]
     return wheres[0] or None if wheres else None
 
@@ -242,7 +245,7 @@ def install(app) -> None:
     app.add_exception_handler(Exception, on_any)
 
 
-def parse(model: type[BaseModel], data: object) -> BaseModel:
+def parse(model: type[M], data: object) -> M:
     """`model` validated from `data`, or ApiError 400 naming the first bad field (code `invalid_<field>`,
     or `unknown_field`), as a request body would be refused."""
     from pydantic import ValidationError

@@ -17,6 +17,7 @@ A server killed mid-job finds the job "running" at the next start and marks it f
 
 from __future__ import annotations
 
+import builtins
 import collections
 import contextlib
 import json
@@ -168,7 +169,8 @@ class _Chunks:
 
     def __init__(self, manager: JobManager, run: _Run):
         self.m, self.run = manager, run
-        self.held, self.opened = False, None
+        self.held = False
+        self.opened: float | None = None
 
     def cancelled(self) -> bool:
         return self.run.cancel.is_set() or self.m._closing
@@ -219,7 +221,7 @@ class JobManager:
         self.state_dir.mkdir(parents=True, exist_ok=True)
         self._tokenizer = tokenizer
         self._config = None
-        self._linears: list[tuple[str, int, int]] | None = None
+        self._linears: builtins.list[tuple[str, int, int]] | None = None
         self._models: dict[tuple | None, nn.Module] = {}  # planning models (fake tensors) by LoRA; graphs cache on them
         self._lock = threading.RLock()  # the database and the fields below
         self._changed = threading.Condition(self._lock)  # a new event, a queued job, closing
@@ -262,7 +264,7 @@ class JobManager:
             self._changed.notify_all()
         return {"id": job_id, "status": "queued", **p.answer()}
 
-    def list(self) -> list[dict]:
+    def list(self) -> builtins.list[dict]:
         with self._lock:
             ids = [r["id"] for r in self._db.execute("SELECT id FROM jobs ORDER BY seq")]
             return [self.get(i) for i in ids]
@@ -329,7 +331,7 @@ class JobManager:
                 self._changed.wait(left)
         return self.get(job_id)
 
-    def events_since(self, job_id: str, after: int = 0) -> list[dict]:
+    def events_since(self, job_id: str, after: int = 0) -> builtins.list[dict]:
         """The job's events with id > `after`, oldest first: {"id", "event", "data", "created"}."""
         after = max(-1, min(int(after), MAX_EVENT_ID))
         with self._lock:
@@ -339,7 +341,7 @@ class JobManager:
         return [{"id": r["seq"], "event": r["event"], "data": json.loads(r["data"]), "created": r["created"]}
                 for r in rows]
 
-    def wait_events(self, job_id: str, after: int = 0, timeout: float = 15.0) -> list[dict]:
+    def wait_events(self, job_id: str, after: int = 0, timeout: float = 15.0) -> builtins.list[dict]:
         """Like events_since, but waits up to `timeout` seconds for one; returns [] at once when the job
         has finished and nothing newer is left (the stream can end)."""
         deadline = time.monotonic() + timeout
@@ -372,13 +374,13 @@ class JobManager:
             self._changed.notify_all()
             return self.get(job_id)
 
-    def adapters(self) -> list[dict]:
+    def adapters(self) -> builtins.list[dict]:
         """Finished LoRA adapters in llama.cpp's /lora-adapters shape, plus name and job."""
         with self._lock:
             rows = self._db.execute("SELECT id, name, path, scale, job_id FROM adapters ORDER BY id").fetchall()
         return [dict(r) for r in rows]
 
-    def set_scales(self, scales: list[dict]) -> list[dict]:
+    def set_scales(self, scales: builtins.list[dict]) -> builtins.list[dict]:
         """Set adapter scales from [{"id", "scale"}]; adapters not listed go to 0 (as llama.cpp does)."""
         scales = [parse(LoraScale, item).model_dump() for item in scales]
         with self._lock:
@@ -433,16 +435,15 @@ class JobManager:
         server = self.memory_budget or available_memory()
         return min(server, s.memory_budget) if s.memory_budget else server
 
-    def _settings(self, req: TrainRequest | dict) -> tuple[TrainSettings, list[dict], str | None]:
+    def _settings(self, req: TrainRequest | dict) -> tuple[TrainSettings, builtins.list[dict], str | None]:
         """The job's TrainSettings, records and name from a request (checked by `TrainRequest`)."""
         if not isinstance(req, TrainRequest):
             req = parse(TrainRequest, req)
-        with body.gc_paused:  # the data's objects: no full collection over them meanwhile (see serve.body)
-            fields = req.model_dump(exclude_unset=True, exclude_none=True)
-            try:
-                records = data.parse_records(fields.pop("data"))
-            except data.DataError as e:
-                raise _invalid("data", str(e)) from None
+        fields = req.model_dump(exclude_unset=True, exclude_none=True)
+        try:
+            records = data.parse_records(fields.pop("data"))
+        except data.DataError as e:
+            raise _invalid("data", str(e)) from None
         fields.pop("model", None)  # like llama.cpp's server: a server trains the model it serves
         name = fields.pop("name", None)
         max_ctx = int(self._model_config().max_position_embeddings)
@@ -478,7 +479,7 @@ class JobManager:
                            f"optimizer states alone, over the budget of {budget / 2**20:,.1f} MiB: "
                            "lower lora.r or target fewer layers", {"budget": budget, "lora_bytes": need})
 
-    def _linear_shapes(self) -> list[tuple[str, int, int]]:
+    def _linear_shapes(self) -> builtins.list[tuple[str, int, int]]:
         """(name, in, out) of every linear layer of the served model, from a model built on fake tensors."""
         if self._linears is None:
             import torch
@@ -491,7 +492,7 @@ class JobManager:
                              if isinstance(m, torch.nn.Linear)]
         return self._linears
 
-    def _check_data(self, s: TrainSettings, records: list[dict]) -> int | None:
+    def _check_data(self, s: TrainSettings, records: builtins.list[dict]) -> int | None:
         """Tokenize and window the data as the trainer will; returns the job's optimizer steps."""
         tokenizer = self._tokenizer
         if tokenizer is None and self.model in models.TRAINABLE_PRESETS:
@@ -634,7 +635,7 @@ class JobManager:
                                  (next_id, run.job_id, self._row(run.job_id)["name"] or run.job_id, str(output)))
             self._end(run, "succeeded", None, result)
 
-    def _publish(self, job_id: str, s: TrainSettings, files: list[str]) -> Path:
+    def _publish(self, job_id: str, s: TrainSettings, files: builtins.list[str]) -> Path:
         """Move the trained files into adapters/<id> (or models/<id>) in one rename: whole or absent."""
         final = self.state_dir / ("adapters" if s.lora else "models") / job_id
         final.parent.mkdir(parents=True, exist_ok=True)
@@ -707,7 +708,7 @@ class JobManager:
         self._db.execute("UPDATE jobs SET status = ?, reason = ?, finished = ?, result = COALESCE(?, result) "
                          "WHERE id = ?", (status, reason, time.time(), _dumps(result) if result else None,
                                           job_id))
-        data = {"reason": reason} if reason else {}
+        data: dict[str, object] = {"reason": reason} if reason else {}
         if result:
             data |= {"steps": result.get("steps"), "losses": result.get("losses"), "output": result.get("output")}
         self._event(job_id, status, data)

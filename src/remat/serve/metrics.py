@@ -4,11 +4,11 @@ from __future__ import annotations
 
 
 class _Out:
-    def __init__(self):
+    def __init__(self) -> None:
         self.lines: list[str] = []
         self.typed: set[str] = set()
 
-    def __call__(self, name: str, kind: str, help: str, value, labels: str = "") -> None:
+    def __call__(self, name: str, kind: str, help: str, value: float | None, labels: str = "") -> None:
         if value is None:
             return
         if name not in self.typed:

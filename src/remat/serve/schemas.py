@@ -139,10 +139,17 @@ class DetokenizeRequest(Body):
 # training: TrainSettings' fields, as JSON
 
 
-class LoraRequest(Body):
-    r: int = TrainSettings.model_fields["lora_r"]
-    alpha: float = TrainSettings.model_fields["lora_alpha"]
-    dropout: float = TrainSettings.model_fields["lora_dropout"]
+def _field(name: str) -> tuple[Any, FieldInfo]:
+    """TrainSettings' field `name` as it is (type, bounds, default, description), for `create_model`."""
+    info = TrainSettings.model_fields[name]
+    return info.annotation, info
+
+
+_LoraFields: type[Body] = create_model(
+    "_LoraFields", __base__=Body, r=_field("lora_r"), alpha=_field("lora_alpha"), dropout=_field("lora_dropout"))
+
+
+class LoraRequest(_LoraFields):
     targets: Annotated[list[Annotated[Text, Field(min_length=1)]], Field(min_length=1)] | None = Field(
         None, description=TrainSettings.model_fields["lora_targets"].description)
 
@@ -193,14 +200,14 @@ def _optional(name: str, annotation: Any = None, description: str | None = None)
         copy.metadata = []  # the type's constraints move into `annotation`
     if description:
         copy.description = f"{description}; {info.description}"
-    return (annotation if annotation is not None else info.annotation) | None, copy
+    base: Any = annotation if annotation is not None else info.annotation
+    return base | None, copy
 
 
 def _recompute() -> tuple[Any, FieldInfo]:
     """`recompute`: TrainSettings' policies (its type and pattern, as declared there), or true (on) / false (off)."""
-    info = TrainSettings.model_fields["recompute"]
-    policy = Annotated[(info.annotation, *info.metadata)]  # type: ignore[valid-type]  # a type made at run time
-    return _optional("recompute", bool | policy, "true (on), false (off), or a policy")
+    pattern = next(m.pattern for m in TrainSettings.model_fields["recompute"].metadata if getattr(m, "pattern", None))
+    return _optional("recompute", bool | Annotated[str, Field(pattern=pattern)], "true (on), false (off), or a policy")
 
 
 def _memory_budget() -> tuple[Any, FieldInfo]:
@@ -212,9 +219,9 @@ def _memory_budget() -> tuple[Any, FieldInfo]:
     return annotation, info
 
 
-TrainFields: type[Body] = create_model(  # type: ignore[call-overload]  # pydantic's stubs: not for dynamic fields
-    "TrainFields", __base__=Body, recompute=_recompute(), memory_budget=_memory_budget(),
-    **{n: _optional(n) for n in TRAIN_FIELDS})
+_TRAIN_FIELDS: dict[str, Any] = {"recompute": _recompute(), "memory_budget": _memory_budget(),
+                                 **{n: _optional(n) for n in TRAIN_FIELDS}}
+TrainFields: type[Body] = create_model("TrainFields", __base__=Body, **_TRAIN_FIELDS)
 
 
 class TrainRequest(TrainFields):

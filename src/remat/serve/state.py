@@ -14,6 +14,7 @@ from fastapi import Depends, Request
 from remat.serve.engine import Engine
 from remat.serve.errors import ApiError, one_line
 from remat.serve.jobs import JobManager
+from remat.serve.scheduler import Scheduler
 
 log = logging.getLogger("remat.serve")
 
@@ -24,7 +25,7 @@ class Server:
         self.model_spec, self.parallel, self.max_slowdown_ppm = model, parallel, max_slowdown_ppm
         self.memory_budget, self.state_dir, self.n_ctx = memory_budget, Path(state_dir), n_ctx
         self.on_load_error = on_load_error
-        self.scheduler = None
+        self.scheduler: Scheduler | None = None
         self.jobs: JobManager | None = None
         self.engine: Engine | None = None
         self.started = time.time()
@@ -32,27 +33,25 @@ class Server:
         self.load_error: str | None = None
 
     def start(self) -> None:
-        from remat.serve.scheduler import Scheduler
-
-        self.scheduler = Scheduler(max_slowdown_ppm=self.max_slowdown_ppm)
-        self.engine = Engine(self.model_spec, parallel=self.parallel, n_ctx=self.n_ctx, scheduler=self.scheduler,
-                             adapters=self.adapters)
-        threading.Thread(target=self._load, name="remat-load", daemon=True).start()
+        self.scheduler = scheduler = Scheduler(max_slowdown_ppm=self.max_slowdown_ppm)
+        self.engine = engine = Engine(self.model_spec, parallel=self.parallel, n_ctx=self.n_ctx,
+                                      scheduler=scheduler, adapters=self.adapters)
+        threading.Thread(target=self._load, args=(engine, scheduler), name="remat-load", daemon=True).start()
 
     def adapters(self) -> list[dict]:
         return self.jobs.adapters() if self.jobs is not None else []
 
-    def _load(self) -> None:
+    def _load(self, engine: Engine, scheduler: Scheduler) -> None:
         """Load the model, then open the job state (its checks use the served model's tokenizer)."""
         try:
-            self.engine.load()
+            engine.load()
             self.state_dir.mkdir(parents=True, exist_ok=True)
-            self.jobs = JobManager(model=self.model_spec, state_dir=self.state_dir, scheduler=self.scheduler,
-                                   memory_budget=self.memory_budget, tokenizer=self.engine.tokenizer)
+            self.jobs = JobManager(model=self.model_spec, state_dir=self.state_dir, scheduler=scheduler,
+                                   memory_budget=self.memory_budget, tokenizer=engine.tokenizer)
             self.ready.set()
-            log.info("model %s loaded (n_ctx %d)", self.engine.name, self.engine.n_ctx)
+            log.info("model %s loaded (n_ctx %d)", engine.name, engine.n_ctx)
         except Exception as e:  # noqa: BLE001 - reported by /health; the command line stops the server
-            self.load_error = self.engine.load_error or f"{type(e).__name__}: {one_line(e)}"
+            self.load_error = engine.load_error or f"{type(e).__name__}: {one_line(e)}"
             log.error("cannot start: %s", self.load_error)
             if self.on_load_error is not None:
                 self.on_load_error(self.load_error)
@@ -67,6 +66,13 @@ class Server:
                 raise ApiError(500, f"the server failed to start: {self.load_error}", type="server_error")
             raise ApiError(503, "Loading model", type="unavailable_error")
 
+    def loaded(self) -> tuple[Engine, JobManager]:
+        """The engine and the job manager once the model is loaded; 503 (500 if loading failed) before."""
+        self.check_ready()
+        if self.engine is None or self.jobs is None:  # ready is set only after both exist
+            raise ApiError(503, "Loading model", type="unavailable_error")
+        return self.engine, self.jobs
+
 
 # ---------------------------------------------------------------------------------------------------------
 # dependencies
@@ -77,15 +83,11 @@ def get_server(request: Request) -> Server:
 
 
 def get_engine(request: Request) -> Engine:
-    srv = get_server(request)
-    srv.check_ready()
-    return srv.engine
+    return get_server(request).loaded()[0]
 
 
 def get_jobs(request: Request) -> JobManager:
-    srv = get_server(request)
-    srv.check_ready()
-    return srv.jobs
+    return get_server(request).loaded()[1]
 
 
 ServerDep = Annotated[Server, Depends(get_server)]

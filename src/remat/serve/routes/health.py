@@ -50,7 +50,7 @@ async def models(srv: ServerDep):
     """The one served model (OpenAI's shape)."""
     e = srv.engine
     name = e.name if e is not None else (srv.model_spec or "default")
-    meta = {"n_ctx": e.n_ctx} if srv.ready.is_set() else {}
+    meta = {"n_ctx": e.n_ctx} if e is not None and srv.ready.is_set() else {}
     return {"object": "list", "data": [{"id": name, "object": "model", "created": int(srv.started),
                                         "owned_by": "remat", "meta": meta}]}
 

@@ -20,13 +20,13 @@ router = APIRouter(tags=["training"])
 EventId = Annotated[int | None, Query(ge=0, le=MAX_EVENT_ID, description="resume after this event id")]
 
 
-async def train_body(request: Request) -> TrainRequest:
+async def train_body(request: Request) -> body.Parsed[TrainRequest]:
     """The job, parsed and validated in a worker thread: a large body (training data) never holds the event
     loop (the OpenAPI document declares it with `openapi_extra`)."""
     return await body.read(request, TrainRequest)
 
 
-TrainBody = Annotated[TrainRequest, Depends(train_body)]
+TrainBody = Annotated[body.Parsed[TrainRequest], Depends(train_body)]
 TRAIN_BODY = body.openapi_body(TrainRequest, "a training job: its data and TrainSettings' fields")
 
 
@@ -35,14 +35,14 @@ TRAIN_BODY = body.openapi_body(TrainRequest, "a training job: its data and Train
 async def train(req: TrainBody, jobs: JobsDep):
     """Plan the job on fake tensors and queue it (202 with the plan), or refuse it: 422 `insufficient_memory`
     with the plans the gate looked at when none fits the budget."""
-    return SafeJSONResponse(await run_in_threadpool(jobs.submit, req), status_code=202)
+    return SafeJSONResponse(await body.answer(jobs.submit, req), status_code=202)
 
 
 @router.post("/train/plan", response_model=Plan, responses=responses(400, 422, 503), openapi_extra=TRAIN_BODY)
 async def train_plan(req: TrainBody, jobs: JobsDep):
     """What `POST /train` would answer, without queueing anything: the plans, the gate's choice and its
     reason (200), or 422 `insufficient_memory` with the plans when none fits the budget."""
-    return SafeJSONResponse(await run_in_threadpool(jobs.plan, req))
+    return SafeJSONResponse(await body.answer(jobs.plan, req))
 
 
 @router.get("/train", response_model=JobList, responses=responses(503))

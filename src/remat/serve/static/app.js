@@ -18,6 +18,7 @@ const S = {
   chat: [],          // [{role, content}]
   chatAbort: null,
   adapters: [],
+  planned: null,     // the last answer of POST /train/plan
 };
 window.__remat = S;  // for tests and curious people
 
@@ -353,43 +354,62 @@ async function trainRequest() {
   if (lr) req.lr = Number(lr);
   const rank = $("#t-rank").value.trim();
   if (rank !== "") req.lora = Number(rank) === 0 ? false : {r: Number(rank)};
-  const rc = $("#t-recompute").value;
-  req.recompute = rc === "auto" ? "auto" : rc === "on";
+  req.recompute = $("#t-recompute").value;  // a policy: auto, budget, off, on, dots, every:K
+  const budget = $("#t-budget-input").value.trim();
+  if (budget) req.memory_budget = /^[0-9]+$/.test(budget) ? budget + "MiB" : budget;  // a bare number: MiB
   return req;
 }
 
-async function submitTrain(ev) {
-  ev.preventDefault();
+// Plan (POST /train/plan: nothing queued) or submit (POST /train): the same body, the same plan card.
+async function trainCall(path, button, busy) {
   showError("#train-error", null);
-  const button = $("#t-submit");
   let req;
   try {
     req = await trainRequest();
   } catch (e) {
     showError("#train-error", e);
-    return;
+    return null;
   }
-  button.disabled = true;
-  button.textContent = "Planning…";
+  const label = button.textContent;
+  for (const b of [$("#t-plan"), $("#t-submit")]) b.disabled = true;
+  button.textContent = busy;
   try {
-    const job = await api("POST", "/train", req);
-    renderPlan($("#plan"), job, null);
-    followJob(job.id);
-    refreshJobs();
+    return await api("POST", path, req);
   } catch (e) {
     showError("#train-error", e);
     const err = e.body && e.body.error;
-    if (err && err.plans) renderPlan($("#plan"), {plans: err.plans, budget: err.budget}, e);
+    if (err && err.code === "insufficient_memory") renderPlan($("#plan"), err, e);
     else $("#plan").hidden = true;
+    return null;
   } finally {
-    button.disabled = false;
-    button.textContent = "Plan and submit";
+    for (const b of [$("#t-plan"), $("#t-submit")]) b.disabled = false;
+    button.textContent = label;
   }
 }
 
-// Bars by category for recompute off and on, against the budget; the gate's choice and its reason.
+async function planTrain() {
+  const plan = await trainCall("/train/plan", $("#t-plan"), "Planning…");
+  if (plan) { S.planned = plan; renderPlan($("#plan"), plan, null); }
+}
+
+async function submitTrain(ev) {
+  ev.preventDefault();
+  const job = await trainCall("/train", $("#t-submit"), "Submitting…");
+  if (!job) return;
+  renderPlan($("#plan"), job, null);
+  followJob(job.id);
+  refreshJobs();
+}
+
+function policyLabel(k) {
+  return k === "off" || k === "on" ? `recompute ${k}` : `policy ${k}`;
+}
+
+// Bars by category for recompute off and on (and the chosen policy when it is another one), against the
+// budget; the chosen one marked.
 function planBars(plans, budget, chosen) {
   const keys = ["off", "on"].filter((k) => plans && plans[k]);
+  if (chosen && plans && plans[chosen] && !keys.includes(chosen)) keys.push(chosen);
   // The scale is the largest plan, or the budget when it is near (a budget far above the plans says so in words).
   const most = Math.max(...keys.map((k) => plans[k].total), 1);
   const budgetOnScale = budget && budget <= most * 4;
@@ -408,7 +428,7 @@ function planBars(plans, budget, chosen) {
     }
     const fits = budget ? p.total <= budget : null;
     return el("div", {class: "plan-row" + (chosen === k ? " chosen" : ""), dataset: {plan: k}},
-      el("div", {class: "plan-label"}, `recompute ${k}`,
+      el("div", {class: "plan-label"}, policyLabel(k),
          chosen === k ? el("span", {class: "badge ok"}, "chosen") : null,
          fits === false ? el("span", {class: "badge bad"}, "over budget") : null),
       bar,
@@ -421,24 +441,32 @@ function planBars(plans, budget, chosen) {
   return el("div", {class: "plan-bars"}, rows, legend);
 }
 
-function renderPlan(box, job, error) {
+// The gate's answer: a plan (from /train/plan, or a queued job's from /train), or a 422 refusal's figures.
+function renderPlan(box, answer, error) {
   box.replaceChildren();
-  const chosen = error ? null : (job.recompute ? "on" : "off");
-  box.append(el("h2", {}, error ? "Refused: the plan does not fit" : "Plan"));
+  const budget = answer.budget ? `the budget ${mib(answer.budget)}` : "the budget";
   if (error) {
-    const budget = job.budget ? `the budget ${mib(job.budget)}` : "the budget";
-    box.append(el("p", {class: "refused"}, `Neither plan fits ${budget}: nothing was queued. ` +
-                  "Lower ctx, turn recompute on, or start the server with a larger --memory-budget."));
-  } else {
-    box.append(el("p", {}, el("b", {}, job.recompute ? "Recompute on" : "Recompute off"), ": ",
-                  job.recompute_reason || ""));
+    box.append(el("h2", {}, "Refused: the job does not fit"));
+    box.append(el("p", {class: "refused"}, answer.plans ? `No plan fits ${budget}: nothing was queued. ` +
+      "Lower ctx, choose recompute on, or raise the budget (the server's --memory-budget caps it)."
+      : `The adapter alone needs ${mib(answer.lora_bytes)} of ${budget}: nothing was queued. Lower the LoRA ` +
+        "rank, or raise the budget."));
+    if (answer.plans) box.append(planBars(answer.plans, answer.budget, null));
+    box.hidden = false;
+    return;
   }
-  box.append(planBars(job.plans, job.budget, chosen));
-  if (!error) {
-    box.append(el("p", {class: "muted"},
-      `Queued as ${job.id}`, job.steps ? ` · ${job.steps} steps` : "", " · ",
-      el("a", {href: "#jobs", onclick: () => followJob(job.id)}, "watch it in Jobs")));
-  }
+  const queued = Boolean(answer.id);
+  box.append(el("h2", {}, queued ? "Plan: queued" : "Plan", el("span", {class: "muted small"},
+                queued ? "" : "not queued yet")));
+  box.append(el("p", {class: "choice"}, el("b", {}, `Policy ${answer.policy}`),
+                ` (recompute ${answer.recompute ? "on" : "off"}) · ${mib(answer.plan && answer.plan.total)} of ${budget}`,
+                answer.steps ? ` · ${answer.steps} steps` : ""));
+  box.append(el("p", {class: "reason"}, answer.recompute_reason || ""));
+  box.append(planBars(answer.plans, answer.budget, answer.policy));
+  box.append(queued
+    ? el("p", {class: "muted"}, `Queued as ${answer.id} · `,
+         el("a", {href: "#jobs", onclick: () => followJob(answer.id)}, "watch it in Jobs"))
+    : el("p", {class: "muted"}, "Submit queues this job; the server plans it again then (memory may change)."));
   box.hidden = false;
 }
 
@@ -664,14 +692,18 @@ function renderJob() {
       metric("memory planned", mib(j.plan && j.plan.total),
              j.recompute_reason || ""),
       metric("graph planned / measured", `${mib(j.plan && j.plan.graph)} / ${measured ? mib(measured) : "—"}`),
-      metric("recompute", j.recompute === undefined ? "—" : j.recompute ? "on" : "off", j.recompute_reason)),
+      metric("recompute", j.recompute === undefined ? "—" : jobPolicy(j), j.recompute_reason)),
     j.plans ? el("details", {class: "job-plan"}, el("summary", {}, "plan"),
-                 planBars(j.plans, j.budget, j.recompute ? "on" : "off")) : null,
+                 planBars(j.plans, j.budget, jobPolicy(j))) : null,
     j.adapter ? el("p", {class: "muted small"}, `adapter #${j.adapter.id} "${j.adapter.name}" at scale ` +
                    `${fmt(j.adapter.scale)} · `, el("a", {href: "#adapters"}, "set its scale")) : null,
     j.output && !j.adapter ? el("p", {class: "muted small"}, `output: ${j.output}`) : null].filter(Boolean));
   box.dataset.job = j.id;
   box.dataset.status = j.status;
+}
+
+function jobPolicy(j) {
+  return j.policy || (j.recompute ? "on" : "off");
 }
 
 async function cancelJob(id) {
@@ -765,6 +797,7 @@ function start() {
     showError("#chat-error", null);
   });
   $("#train-form").addEventListener("submit", submitTrain);
+  $("#t-plan").addEventListener("click", planTrain);
   $("#t-file").addEventListener("change", () => showError("#train-error", null));
   $("#ad-refresh").addEventListener("click", refreshAdapters);
   window.addEventListener("hashchange", () => selectTab(location.hash.slice(1)));
