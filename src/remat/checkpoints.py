@@ -36,13 +36,15 @@ class Checkpoint:
 
 
 def save(out: Path, step: int, trainable: dict[str, torch.Tensor], optimizer: torch.optim.Optimizer,
-         losses: list[float]) -> Path:
+         losses: list[float], *, rng: torch.Tensor | None = None, world_size: int = 1) -> Path:
+    """`rng`: the RNG state (default this process's); a data-parallel run passes every rank's, stacked."""
     final = out / f"checkpoint-{step}"
     with staged(final, mode="replace") as tmp:
         save_file({k: v.detach().contiguous() for k, v in trainable.items()}, tmp / "trainable.safetensors")
         torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
-        torch.save(torch.get_rng_state(), tmp / "rng.pt")
-        (tmp / STATE).write_text(json.dumps({"step": step, "losses": losses}))
+        torch.save(torch.get_rng_state() if rng is None else rng, tmp / "rng.pt")
+        state = {"step": step, "losses": losses} | ({"world_size": world_size} if world_size > 1 else {})
+        (tmp / STATE).write_text(json.dumps(state))
     return final
 
 
@@ -60,8 +62,15 @@ def latest(path: str | os.PathLike) -> Checkpoint:
     return Checkpoint(best, step)
 
 
-def restore(ckpt: Checkpoint, trainable: dict[str, torch.Tensor], optimizer: torch.optim.Optimizer) -> list[float]:
-    """Load a checkpoint into the model's trainable tensors and the optimizer; returns the losses so far."""
+def restore(ckpt: Checkpoint, trainable: dict[str, torch.Tensor], optimizer: torch.optim.Optimizer, *,
+            rank: int = 0, world_size: int = 1) -> list[float]:
+    """Load a checkpoint into the model's trainable tensors and the optimizer; returns the losses so far.
+
+    A checkpoint of a data-parallel run resumes with as many processes (each takes its own RNG state)."""
+    state = json.loads((ckpt.path / STATE).read_text())
+    if state.get("world_size", 1) != world_size:
+        raise CheckpointError(f"--resume {ckpt.path}: written by a run of {state.get('world_size', 1)} "
+                              f"process(es), resumed with {world_size}: resume it with the same number")
     tensors = load_file(ckpt.path / "trainable.safetensors")
     if tensors.keys() != trainable.keys():
         raise CheckpointError(f"--resume {ckpt.path}: its tensors do not match this model and settings")
@@ -69,5 +78,7 @@ def restore(ckpt: Checkpoint, trainable: dict[str, torch.Tensor], optimizer: tor
         for name, t in trainable.items():
             t.copy_(tensors[name])
     optimizer.load_state_dict(torch.load(ckpt.path / "optimizer.pt", weights_only=True))
-    torch.set_rng_state(torch.load(ckpt.path / "rng.pt", weights_only=True))
-    return json.loads((ckpt.path / STATE).read_text())["losses"]
+    rng = torch.load(ckpt.path / "rng.pt", weights_only=True)
+    # a row of its own: torch.set_rng_state reads from its storage's start (a row view at an offset crashes it)
+    torch.set_rng_state(rng[rank].clone() if world_size > 1 else rng)
+    return state["losses"]

@@ -73,6 +73,12 @@ MODEL_OPTIONS = "model ctx batch loss_chunk path ubatch"
 LORA_OPTIONS = "lora lora_r lora_alpha lora_dropout lora_targets"
 
 
+def _positive(text: str) -> int:
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"must be a whole number of at least 1 (got {text!r})")
+    return int(text)
+
+
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="remat", description="Fine-tune language models in less memory.")
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -87,6 +93,9 @@ def parser() -> argparse.ArgumentParser:
     pl.add_argument("--recompute", default="both", metavar="POLICY",
                     help="both (off and on, the default), a policy (off, on, dots, every:K), or budget / auto: "
                     "the fastest plan within --memory-budget")
+    pl.add_argument("--world-size", type=_positive, default=1, metavar="N",
+                    help="processes of a data-parallel run (torchrun): one rank's figures, --batch being the "
+                    "global batch (default 1)")
     pl.add_argument("--json", **as_json)
 
     v = sub.add_parser("verify", help="one step comparing every recompute clone with its original")
@@ -157,9 +166,12 @@ def table(plans: dict, ran: str | None = None) -> str:
 
 
 def cmd_finetune(args: argparse.Namespace) -> int:
+    from remat import distributed
     from remat.train import finetune
 
     receipt = finetune(settings_from(TrainSettings, args), progress=True)
+    if not distributed.is_main():  # a data-parallel run: rank 0 alone prints the receipt
+        return 0
     r = receipt.as_dict()
     losses = " ".join(f"{x:.6f}" for x in r["losses"])
     human = "\n".join([
@@ -167,6 +179,8 @@ def cmd_finetune(args: argparse.Namespace) -> int:
         + f"frozen: {r['frozen_parameters']:,}",
         f"steps: {r['steps']}  losses: {losses}",
         f"recompute: {r['policy']} ({r['recompute_reason']})",
+        *([f"processes: {r['world_size']} (plans per rank; optimizer state per rank, MiB: "
+           + " ".join(f"{b / MiB:,.2f}" for b in r["optimizer_state_bytes"]) + ")"] if r["world_size"] > 1 else []),
         table(r["plans"], ran=r["policy"]),
         f"measured: graph peak {r['measured']['graph'] / MiB:,.1f} MiB (planned {r['plan']['graph'] / MiB:,.1f}), "
         f"process peak RSS {r['process_peak']['rss'] / MiB:,.1f} MiB (planned total {r['plan']['total'] / MiB:,.1f})",
@@ -181,26 +195,33 @@ def cmd_finetune(args: argparse.Namespace) -> int:
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
-    from remat import models, step
-    from remat.plan import available_memory
+    from remat import distributed, models, step
+    from remat.plan import available_memory, per_rank
 
     which = args.recompute
     s = settings_from(TrainSettings, args, recompute="auto" if which == "both" else which)
+    ranks = distributed.Ranks(world_size=args.world_size, local_world_size=args.world_size)
+    local = ranks.local(s)  # one rank's share of the global batch
     limit = models.load_config(s.model).max_position_embeddings
     if s.ctx > limit:  # a plan answers "would it fit"; training there is refused
         print(f"remat: note: --ctx {s.ctx} is above the model's maximum context {limit}", file=sys.stderr)
     result: dict[str, Any] = {"model": s.model or "default", "ctx": s.ctx, "batch": s.batch, "path": s.path,
-                              "loss_chunk": s.loss_chunk, "lora": s.lora}
+                              "loss_chunk": s.loss_chunk, "lora": s.lora, "world_size": ranks.world_size,
+                              "rank_batch": local.batch}
     model = step.planning_model(models.load_config(s.model), s)
-    shape = step.StepShape.of(s)
-    if which in ("budget", "auto"):
-        choice = step.choose(model, shape, which, s.memory_budget or available_memory())
-        result |= {"policy": choice.policy, "reason": choice.reason, "plan": choice.plan.as_dict()}
-        plans = choice.plans
-    else:
-        plans = step.plans(model, shape, ("off", "on") if which == "both" else (step.policy_name(which),))
+    shape = step.StepShape.of(local)
+    with per_rank(ranks.world_size):  # the optimizer row: the largest rank's ZeRO share
+        if which in ("budget", "auto"):
+            choice = step.choose(model, shape, which, s.memory_budget or ranks.budget(available_memory()))
+            result |= {"policy": choice.policy, "reason": choice.reason, "plan": choice.plan.as_dict()}
+            plans = choice.plans
+        else:
+            plans = step.plans(model, shape, ("off", "on") if which == "both" else (step.policy_name(which),))
     result["plans"] = {k: p.as_dict() for k, p in plans.items()}
     human = table(result["plans"])
+    if ranks.parallel:
+        human = (f"per rank of {ranks.world_size} processes (batch {local.batch} of {s.batch}; optimizer state "
+                 f"sharded as ZeRO does it):\n") + human
     if "policy" in result:
         human += f"\nchosen: {result['policy']} ({result['reason']})"
     emit(args, result, human)

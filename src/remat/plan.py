@@ -10,6 +10,9 @@ categories, never in `graph`.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 
 import torch
@@ -25,7 +28,7 @@ class Plan:
     params: int  # trainable parameters
     frozen: int  # frozen parameters and buffers
     grads: int
-    optimizer: int  # AdamW: two fp32 states per trainable element
+    optimizer: int  # AdamW: two fp32 states per trainable element (per rank: its ZeRO share)
     graph: int  # peak of graph-allocated tensors during forward + backward
     cache: int = 0  # walk path: KV cache and recurrent state
 
@@ -116,10 +119,32 @@ def plan(tg: TrainGraph) -> Plan:
         params=params,
         frozen=_role_bytes(tg, "frozen") + _role_bytes(tg, "buffer"),
         grads=params,
-        optimizer=sum(2 * t.numel() * 4 for t in trainable),
+        optimizer=2 * 4 * max(zero_shards([t.numel() for t in trainable], _WORLD.get())),
         graph=graph_peak(tg),
         cache=_role_bytes(tg, "state"),
     )
+
+
+_WORLD: contextvars.ContextVar[int] = contextvars.ContextVar("remat_plan_world_size", default=1)
+
+
+@contextlib.contextmanager
+def per_rank(world_size: int) -> Iterator[None]:
+    """Plans made inside are one rank's of `world_size`: `optimizer` is the largest rank's ZeRO share."""
+    token = _WORLD.set(world_size)
+    try:
+        yield
+    finally:
+        _WORLD.reset(token)
+
+
+def zero_shards(numels: list[int], world_size: int) -> list[int]:
+    """Elements of optimizer state per rank as ZeroRedundancyOptimizer partitions them: whole tensors,
+    largest first, each to the rank holding the least so far (one process: all of them)."""
+    sizes = [0] * world_size
+    for n in sorted(numels, reverse=True):
+        sizes[sizes.index(min(sizes))] += n
+    return sizes
 
 
 @dataclass

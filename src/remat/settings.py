@@ -147,6 +147,9 @@ class TrainSettings(BaseModel):
                                        "layer of the decoder)")
     save_every: int | None = Field(None, ge=1, description="write a checkpoint every N steps into --out")
     resume: str | None = Field(None, description="continue from the latest checkpoint in this folder")
+    dist_timeout: float = Field(600, gt=0, allow_inf_nan=False,
+                                description="under torchrun: seconds a process waits for the others before the "
+                                "run stops")
 
     @property
     def learning_rate(self) -> float:

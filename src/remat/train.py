@@ -15,10 +15,10 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from remat import adapters, checkpoints, data, models, step, walk
+from remat import adapters, checkpoints, data, distributed, models, step, walk
 from remat.files import staged
 from remat.graph import StepInputs, TrainGraph
-from remat.plan import Measured, available_memory, measure, preflight, process_peak
+from remat.plan import Measured, available_memory, measure, per_rank, preflight, process_peak
 from remat.settings import TrainSettings, UsageError, percentile
 
 
@@ -89,6 +89,8 @@ class Receipt:
     resumed_from: str | None = None
     checkpoints: list[str] = field(default_factory=list)
     outputs: list[str] = field(default_factory=list)
+    world_size: int = 1  # processes of a data-parallel run; then `plan` and `plans` are one rank's
+    optimizer_state_bytes: list[int] = field(default_factory=list)  # per rank, its optimizer's real state tensors
 
     @property
     def steps(self) -> int:
@@ -102,9 +104,14 @@ class Receipt:
 
 
 def finetune(s: TrainSettings, *, progress: bool = True, hooks: Hooks | None = None) -> Receipt:
-    """Train as `s` says and return the receipt."""
-    hooks = hooks or Hooks()
-    budget = s.memory_budget or available_memory()  # read before the model takes its share
+    """Train as `s` says and return the receipt; under torchrun, on every rank (see `remat.distributed`)."""
+    with distributed.group(s.dist_timeout) as ranks:
+        return _finetune(s, ranks, progress=progress and ranks.is_main, hooks=hooks or Hooks())
+
+
+def _finetune(s: TrainSettings, dp: distributed.Ranks, *, progress: bool, hooks: Hooks) -> Receipt:
+    local = dp.local(s)  # what one rank traces and runs: its share of the global batch (one process: s)
+    budget = s.memory_budget or dp.budget(available_memory())  # read before the model takes its share
     out = Path(s.out) if s.out else None
     if out and out.exists() and (not out.is_dir() or any(out.iterdir())) and not s.resume:
         raise UsageError(f"--out {out} exists and is not an empty folder")
@@ -120,19 +127,22 @@ def finetune(s: TrainSettings, *, progress: bool = True, hooks: Hooks | None = N
     lora = step.lora_settings(s)
     if lora is not None:
         model = adapters.apply_lora(model, lora, seed=s.seed)
+    dp.seed(s.seed)
 
-    shape = step.StepShape.of(s)
-    choice = step.choose(model, shape, s.recompute, budget)
-    for other in ("off", "on"):  # the receipt shows what recompute would save (or cost) on this run too
-        choice.plans.setdefault(other, step.plans(model, shape, (other,))[other])
+    shape = step.StepShape.of(local)
+    with per_rank(dp.world_size):  # the gate counts one rank's memory: its share of the optimizer state
+        choice = step.choose(model, shape, s.recompute, budget)
+        for other in ("off", "on"):  # the receipt shows what recompute would save (or cost) on this run too
+            choice.plans.setdefault(other, step.plans(model, shape, (other,))[other])
     graph = step.build(model, shape, choice.policy)
     preflight(graph, next(model.parameters()).device)
     tensors = StepInputs.of(model)
     params = list(tensors.trainable.values())
-    optimizer = torch.optim.AdamW(params, lr=s.learning_rate, weight_decay=0.0)
-    runner = BatchRunner(model, graph, s, hooks)
+    optimizer = dp.optimizer(params, lr=s.learning_rate, weight_decay=0.0)
+    runner = BatchRunner(model, graph, local, hooks)
 
-    losses: list[float] = checkpoints.restore(resume, tensors.trainable, optimizer) if resume else []
+    losses: list[float] = checkpoints.restore(resume, tensors.trainable, optimizer, rank=dp.rank,
+                                              world_size=dp.world_size) if resume else []
     bar = tqdm(total=total, initial=len(losses), desc="finetune", unit="step", file=sys.stderr,
                disable=not progress)
     start = time.perf_counter()
@@ -143,7 +153,7 @@ def finetune(s: TrainSettings, *, progress: bool = True, hooks: Hooks | None = N
             batches, epoch_of_batches = data.batches(windows, s.batch, seed=s.seed, epoch=epoch), epoch
         # No local may hold the grads past the optimizer: zero_grad(set_to_none) must free them before the
         # next step's graph runs (a held set cost one params-sized copy of process memory).
-        step_loss = set_grads(params, runner, batches[i * s.accumulate:(i + 1) * s.accumulate])
+        step_loss = set_grads(params, runner, batches[i * s.accumulate:(i + 1) * s.accumulate], dp)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         losses.append(step_loss)
@@ -152,7 +162,7 @@ def finetune(s: TrainSettings, *, progress: bool = True, hooks: Hooks | None = N
         bar.update()
         hooks.on_step({"epoch": epoch, "step": len(losses), "loss": step_loss, "steps": total})
         if s.save_every and out and len(losses) % s.save_every == 0:
-            saved.append(str(checkpoints.save(out, len(losses), tensors.trainable, optimizer, losses)))
+            saved.append(str(dp.save_checkpoint(out, len(losses), tensors.trainable, optimizer, losses)))
     bar.close()
     elapsed = time.perf_counter() - start
     trained = len(losses) - (resume.step if resume else 0)
@@ -172,17 +182,25 @@ def finetune(s: TrainSettings, *, progress: bool = True, hooks: Hooks | None = N
                   "data": s.data if isinstance(s.data, str) or s.data is None else "<records>"},
         resumed_from=str(resume.path) if resume else None,
         checkpoints=saved,
-        outputs=save_outputs(model, loaded, s, out) if out else [],
+        outputs=save_outputs(model, loaded, s, out) if out and dp.is_main else [],
+        world_size=dp.world_size,
+        optimizer_state_bytes=dp.optimizer_state_bytes(optimizer),
     )
 
 
-def set_grads(params: list[torch.Tensor], runner: BatchRunner, batches: list) -> float:
-    """Run the batches of one optimizer step, set each parameter's .grad to their mean; -> the mean loss."""
+def set_grads(params: list[torch.Tensor], runner: BatchRunner, batches: list,
+              dp: distributed.Ranks = distributed.ONE) -> float:
+    """Run the batches of one optimizer step, set each parameter's .grad to their mean; -> the mean loss.
+
+    Data-parallel, each rank runs its windows of each batch, weighted by its share of the batch's targets;
+    the sum over ranks is the 1-process mean."""
     step_loss, grads = 0.0, list[torch.Tensor]()
-    for input_ids, labels in batches:
-        loss, g = runner.run(input_ids, labels)
+    for batch in batches:
+        part = dp.part(*batch)
+        loss, g = part.weigh(*runner.run(part.input_ids, part.labels))
         step_loss += loss / len(batches)
         grads = [a.add_(b) for a, b in zip(grads, g)] if grads else g
+    step_loss = dp.all_reduce(step_loss, grads)
     for p, total in zip(params, grads):
         p.grad = total.div_(len(batches)) if len(batches) > 1 else total
     return step_loss
