@@ -153,7 +153,7 @@ def emit(args: argparse.Namespace, result: dict, human: str) -> None:
 
 def table(plans: dict, ran: str | None = None) -> str:
     """Plans side by side, in MiB; `ran` marks the one that ran."""
-    cats = ["params", "frozen", "grads", "optimizer", "graph", "cache", "total"]
+    cats = ["params", "frozen", "grads", "optimizer", "graph", "cache", "runtime", "total"]
     cols = list(plans)
     heads = [f"recompute {c}" + (" *" if c == ran else "") for c in cols]
     lines = [f"{'MiB':<10}" + "".join(f"{h:>16}" for h in heads)]

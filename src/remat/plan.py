@@ -31,10 +31,11 @@ class Plan:
     optimizer: int  # AdamW: two fp32 states per trainable element (per rank: its ZeRO share)
     graph: int  # peak of graph-allocated tensors during forward + backward
     cache: int = 0  # walk path: KV cache and recurrent state
+    runtime: int = 0  # the process before the model: interpreter, torch, libraries (measured, not modelled)
 
     @property
     def total(self) -> int:
-        return self.params + self.frozen + self.grads + self.optimizer + self.graph + self.cache
+        return self.params + self.frozen + self.grads + self.optimizer + self.graph + self.cache + self.runtime
 
     def as_dict(self) -> dict[str, int]:
         return {**asdict(self), "total": self.total}
@@ -220,6 +221,12 @@ def available_memory(device: torch.device | str = "cpu") -> int:
     raise OSError("cannot read MemAvailable from /proc/meminfo")
 
 
+def resident() -> int:
+    """The process's resident set now (bytes): the `runtime` category, read before the model loads."""
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * (1 << 12)
+
+
 def process_peak() -> dict[str, int]:
     """What the whole process has taken at most so far: peak resident set (VmHWM), and on CUDA the
     allocator's peaks (`max_memory_allocated` in use, `max_memory_reserved` held)."""
@@ -236,26 +243,6 @@ def process_peak() -> dict[str, int]:
 
 def mib(n: int) -> str:
     return f"{n / MiB:,.1f} MiB"
-
-
-def gate(plans: dict[str, Plan], budget: int, recompute: str) -> tuple[bool, str]:
-    """Choose recompute off/on within `budget`: -> (recompute?, reason). `plans` has "off" and/or "on"."""
-    allowed = {"off": ["off"], "on": ["on"], "auto": ["off", "on"]}[recompute]
-    for choice in allowed:
-        if plans[choice].total <= budget:
-            why = f"plan {mib(plans[choice].total)} fits the budget {mib(budget)}"
-            if recompute == "auto" and choice == "on":
-                why = f"without recompute the plan ({mib(plans['off'].total)}) exceeds the budget; " + why
-            elif recompute == "auto":
-                why = "recompute not needed: " + why
-            return choice == "on", why
-    figures = ", ".join(f"recompute {k}: {mib(p.total)} (graph {mib(p.graph)})" for k, p in plans.items())
-    fixed = sum(v for k, v in plans["on" if "on" in plans else "off"].as_dict().items() if k not in ("graph", "total"))
-    raise GateRefused(
-        f"refused: the job needs more than the memory budget {mib(budget)} ({figures}); "
-        f"parameters, grads and optimizer alone take {mib(fixed)}: lower --ctx or --batch, "
-        f"use --recompute on, or raise --memory-budget"
-    )
 
 
 def preflight(tg: TrainGraph, device: torch.device | str = "cpu", *, cpu_fallback: bool = False) -> None:

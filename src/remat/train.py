@@ -18,7 +18,7 @@ from tqdm import tqdm
 from remat import adapters, checkpoints, data, distributed, models, step, walk
 from remat.files import staged
 from remat.graph import StepInputs, TrainGraph
-from remat.plan import Measured, available_memory, measure, per_rank, preflight, process_peak
+from remat.plan import Measured, available_memory, measure, per_rank, preflight, process_peak, resident
 from remat.settings import TrainSettings, UsageError, percentile
 
 
@@ -111,6 +111,7 @@ def finetune(s: TrainSettings, *, progress: bool = True, hooks: Hooks | None = N
 
 def _finetune(s: TrainSettings, dp: distributed.Ranks, *, progress: bool, hooks: Hooks) -> Receipt:
     local = dp.local(s)  # what one rank traces and runs: its share of the global batch (one process: s)
+    runtime = resident()  # the process before the model: the plans' `runtime`; free memory excludes it
     budget = s.memory_budget or dp.budget(available_memory())  # read before the model takes its share
     out = Path(s.out) if s.out else None
     if out and out.exists() and (not out.is_dir() or any(out.iterdir())) and not s.resume:
@@ -132,8 +133,8 @@ def _finetune(s: TrainSettings, dp: distributed.Ranks, *, progress: bool, hooks:
     shape = step.StepShape.of(local)
     with per_rank(dp.world_size):  # the gate counts one rank's memory: its share of the optimizer state
         choice = step.choose(model, shape, s.recompute, budget)
-        for other in ("off", "on"):  # the receipt shows what recompute would save (or cost) on this run too
-            choice.plans.setdefault(other, step.plans(model, shape, (other,))[other])
+    for p in choice.plans.values():  # the budget covers what the job allocates; the total, the whole process
+        p.runtime = runtime
     graph = step.build(model, shape, choice.policy)
     preflight(graph, next(model.parameters()).device)
     tensors = StepInputs.of(model)
