@@ -105,3 +105,30 @@ def test_router_aux_loss_is_the_models(name):
     assert C.rel(ours, loss) <= C.TOL
     with pytest.raises(UnsupportedModel, match="router aux loss"):
         walk.capture_chunk(model, C.BATCH, C.SEQ, C.UBATCH)
+
+
+@pytest.mark.parametrize("name", ["mistral", "gemma3_text", "qwen3_moe", "granite"])
+def test_finetune_a_saved_model_folder(name, tmp_path):
+    """`remat finetune --model <folder>` on a saved tiny model (config.json, safetensors, tokenizer): the first
+    step's loss is the model's own on that batch (its forward's logits: sliding window, softcapping, scaling)."""
+    import torch.nn.functional as F
+    import transformers
+
+    from remat import data, models
+    from remat.settings import TrainSettings
+    from remat.train import finetune
+
+    folder = tmp_path / name
+    tokenizer = models.tiny_tokenizer()
+    C.build(name, attn=None, vocab_size=len(tokenizer)).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    ctx = C.SEQ
+    receipt = finetune(TrainSettings(model=str(folder), ctx=ctx, batch=1, steps=1, lora=False, recompute="on"),
+                       progress=False)
+    model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).train()
+    windows = data.load_windows(data.default_data_path(), tokenizer, ctx, 1, pack=False)
+    ids, labels = data.batches(windows, 1, seed=0, epoch=0)[0]
+    with torch.no_grad():
+        logits = model(input_ids=ids, use_cache=False).logits
+    own = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), ignore_index=-100)
+    assert abs(receipt.losses[0] - own.item()) <= C.TOL * own.item(), (receipt.losses[0], own.item())
