@@ -90,10 +90,36 @@ def apply_lora(model: nn.Module, s: LoraSettings, *, seed: int = 0) -> peft.Peft
         bias="none",
         task_type=peft.TaskType.CAUSAL_LM,
     )
+    note = ""
+    if s.targets is None:  # every linear layer but the head, less those PEFT refuses for this family
+        refused = _peft_refused(model)
+        if refused:
+            head = model.get_output_embeddings()
+            config.target_modules = sorted({name.rsplit(".", 1)[-1] for name, m in model.named_modules()
+                                            if isinstance(m, nn.Linear) and m is not head
+                                            and name.rsplit(".", 1)[-1] not in refused})
+            note = f"LoRA leaves out {', '.join(sorted(refused))}: PEFT does not support them for this model"
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         wrapped = peft.get_peft_model(model, config)
+    if note:
+        wrapped._remat_lora_note = note
     return wrapped
+
+
+def _peft_refused(model: nn.Module) -> set[str]:
+    """Linear layer names PEFT refuses as LoRA targets for this model (Mamba's out_proj), asked of PEFT's own check."""
+    check = getattr(peft.tuners.tuners_utils, "_check_lora_target_modules_mamba", None)
+    if check is None:
+        return set()
+    probe = peft.LoraConfig(target_modules="all-linear")
+    refused = set()
+    for name in {n.rsplit(".", 1)[-1] for n, m in model.named_modules() if isinstance(m, nn.Linear)}:
+        try:
+            check(probe, model, name)
+        except ValueError:
+            refused.add(name)
+    return refused
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -18,6 +18,7 @@ import contextlib
 import dataclasses
 import inspect
 import sys
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -89,9 +90,11 @@ AttentionMaskInterface.register(ATTENTION, _mask)
 # ------------------------------------------------------------------------------------------ layers
 
 
-def causal_lm(model: nn.Module) -> nn.Module:
-    """The transformers model under a PEFT wrapper (or the model itself)."""
-    return model.get_base_model() if hasattr(model, "get_base_model") else model
+def causal_lm(model: nn.Module) -> Any:
+    """The transformers model under a PEFT wrapper (or the model itself). Typed `Any`: torch types a
+    module's attributes as `Tensor | Module`, and transformers' methods vary by family."""
+    get_base: Any = getattr(model, "get_base_model", None)
+    return get_base() if get_base is not None else model
 
 
 def decoder_layers(model: nn.Module) -> nn.ModuleList:
@@ -139,7 +142,7 @@ class _DecoderOnce(nn.Module):
         return out
 
 
-def _decoder_name(lm: nn.Module) -> str:
+def _decoder_name(lm: Any) -> str:
     decoder = lm.get_decoder()
     for name, m in lm.named_children():
         if m is decoder:
@@ -162,7 +165,8 @@ def model_loss(model: nn.Module, labels: torch.Tensor, loss_chunk: int = 0, n_ta
     once = _DecoderOnce(lm._modules[name])
     lm._modules[name] = once
     try:
-        total, aux = 0, None
+        total: torch.Tensor | int = 0
+        aux = None
         for i in range(0, n, step):
             once.piece = slice(i, i + step) if step < n else slice(None)
             out = lm(**forward)
@@ -177,6 +181,7 @@ def model_loss(model: nn.Module, labels: torch.Tensor, loss_chunk: int = 0, n_ta
         total = total / (n_targets if n_targets is not None else (labels != -100).sum())
     if aux is not None and not isinstance(aux, (int, float)):
         total = total + lm.router_aux_loss_coef * aux
+    assert isinstance(total, torch.Tensor)  # at least one piece: n >= 1
     return total
 
 
@@ -185,8 +190,8 @@ def mark_layer_outputs(model: nn.Module, prefix: str = LAYER_MARK) -> list:
 
     def hook(i: int):
         def fn(module, args, output):
-            if isinstance(output, tuple):
-                return (mark(output[0], f"{prefix}.{i}"), *output[1:])
+            if isinstance(output, (tuple, list)):  # some layers return a list (openai-gpt)
+                return type(output)((mark(output[0], f"{prefix}.{i}"), *output[1:]))
             return mark(output, f"{prefix}.{i}")
 
         return fn
@@ -291,7 +296,7 @@ def _without_initial_state(layer: nn.Module) -> str | None:
     return None
 
 
-def _probe(lm: nn.Module, batch: int) -> dict[str, tuple[int, ...]]:
+def _probe(lm: Any, batch: int) -> dict[str, tuple[int, ...]]:
     """Run the decoder on two tokens over a probe cache: the shape of every state its layers keep."""
     cache = _ProbeCache()
     params = [p for p in lm.parameters()]

