@@ -15,10 +15,11 @@ import functools
 
 import torch
 from torch import nn
+from torch._subclasses.fake_tensor import DataDependentOutputException
 
 from remat.capture import trace
 from remat.graph import TrainGraph
-from remat.hf import WalkCache, model_loss, prepare, state_shapes
+from remat.hf import UnsupportedModel, WalkCache, model_loss, prepare, state_shapes
 
 
 def new_state(model: nn.Module, batch: int, ctx: int) -> dict[str, torch.Tensor]:
@@ -51,5 +52,9 @@ def capture_chunk(model: nn.Module, batch: int, ctx: int, ubatch: int, *, loss_c
         "labels": ("input", torch.zeros(batch, ubatch, dtype=torch.long)),
     }
     loss = functools.partial(chunk_loss, names=list(shapes), loss_chunk=loss_chunk)
-    return trace(model, loss, inputs,
-                 info={"shape": (batch, ubatch), "ctx": ctx, "path": "walk", "loss_chunk": loss_chunk})
+    try:
+        return trace(model, loss, inputs,
+                     info={"shape": (batch, ubatch), "ctx": ctx, "path": "walk", "loss_chunk": loss_chunk})
+    except DataDependentOutputException:
+        raise UnsupportedModel(f"the walk path does not support {model.config.model_type}: with a cache its "
+                               "positions depend on the data (learned positions read from the cache)") from None
