@@ -63,7 +63,7 @@ def trace(model: nn.Module, loss_fn, inputs: dict[str, tuple[str, torch.Tensor]]
         mode = get_proxy_mode()
         assert mode is not None, "step() runs under make_fx"
         boundary.append(list(mode.tracer.graph.nodes)[-1])
-        grads = torch.autograd.grad(loss, args[:n_train])
+        grads = torch.autograd.grad(loss, args[:n_train], allow_unused=True, materialize_grads=True)
         return (loss, *grads)
 
     example = tensors.args(*(t for _, t in inputs.values()))
