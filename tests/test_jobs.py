@@ -63,7 +63,9 @@ def test_job_trains_and_publishes_its_adapter(manager, tmp_path):
     job = manager.get(r["id"])
     assert (job["status"], job["reason"], job["name"], job["step"], job["steps"]) == ("succeeded", None, "fox", 3, 3)
     assert len(job["losses"]) == 3 and job["finished"] >= job["created"]
-    assert job["plan"] == job["result"]["plan"]  # the plan at submit is the plan of the graph that ran
+    ran = dict(job["result"]["plan"])  # the receipt adds the process's own memory (`runtime`) to its total
+    ran["total"] -= ran.pop("runtime")
+    assert {k: v for k, v in job["plan"].items() if k != "runtime"} == ran  # the plan at submit is what ran
     assert job["chunks"] == 3 and 0 < job["window_p50"] <= job["window_p95"]
     assert job["slowdown_ppm"] == 0 and job["measured"]["graph"] > 0
     assert job["settings"]["ctx"] == 32 and job["settings"]["lora"] is True
@@ -197,6 +199,34 @@ def test_insufficient_memory_is_422_with_both_plans(tmp_path):
         assert e.value.status == 422
         assert wait_for(m, r["id"], "succeeded")[-1]["event"] == "succeeded", m.get(r["id"])["reason"]
         assert m.get(r["id"])["result"]["recompute"] is True  # what ran is what was planned
+    finally:
+        m.close()
+
+
+def test_plan_is_submit_without_the_queue(tmp_path):
+    """`plan` answers what `submit` would (less the id) and queues nothing; a job's own budget caps the
+    server's, and below the smallest plan it is refused with the plans, as `submit` refuses it."""
+    m = new_manager(tmp_path, memory_budget=64 << 20)
+    try:
+        p = m.plan(SMALL)
+        assert set(p) == {"plan", "plans", "policy", "recompute", "recompute_reason", "budget", "steps"}
+        assert p["policy"] == "off" and p["budget"] == 64 << 20 and p["plan"] == p["plans"]["off"]
+        assert m.list() == []
+        assert m.plan({**SMALL, "memory_budget": "1GiB"})["budget"] == 64 << 20  # capped by the server's
+        on = p["plans"]["on"]["total"]
+        q = m.plan({**SMALL, "memory_budget": on})
+        assert q["budget"] == on and q["recompute"] is True and q["plan"]["total"] <= on
+        small = 300_000  # the LoRA alone fits (262,144 bytes), no plan does
+        for call in (m.plan, m.submit):
+            with pytest.raises(ApiError) as e:
+                call({**SMALL, "memory_budget": small})
+            assert (e.value.status, e.value.code, e.value.extra["budget"]) == (422, "insufficient_memory", small)
+            assert {"off", "on"} <= set(e.value.extra["plans"])
+        assert m.list() == []
+        r = m.submit({**SMALL, "steps": 1, "memory_budget": on})
+        assert {k: r[k] for k in q if k != "steps"} == {k: v for k, v in q.items() if k != "steps"}
+        assert r["steps"] == 1 and m.get(r["id"])["budget"] == on
+        assert wait_for(m, r["id"], "succeeded")[-1]["event"] == "succeeded", m.get(r["id"])["reason"]
     finally:
         m.close()
 

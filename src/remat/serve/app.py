@@ -35,6 +35,7 @@ __all__ = ["create_app", "main"]
 
 log = logging.getLogger("remat.serve")
 
+SWITCH_INTERVAL = 0.001  # seconds
 DEFAULT_MAX_BODY: int = ServeSettings.model_fields["max_body"].default
 
 
@@ -43,6 +44,9 @@ async def lifespan(app: FastAPI):
     srv: Server = app.state.server
     # Requests waiting for a decode slot each hold a worker thread: allow many more than the 40 default.
     anyio.to_thread.current_default_thread_limiter().total_tokens = max(64, 16 * srv.parallel)
+    # A worker thread busy in Python (a large body being checked, a job's bookkeeping) hands the GIL to the
+    # event loop within this interval (CPython's default 5 ms, several times per request, is felt by /health).
+    sys.setswitchinterval(SWITCH_INTERVAL)
     srv.start()
     try:
         yield

@@ -64,10 +64,11 @@ class _GcPause:
 gc_paused = _GcPause()
 
 
-def _decode(raw: bytes) -> str:
-    """The text of a JSON body (UTF-8, -16 or -32, as `json.loads` reads bytes), decoded in pieces."""
-    decoder = codecs.getincrementaldecoder(json.detect_encoding(raw))("surrogatepass")
-    parts = [decoder.decode(raw[i:i + PIECE]) for i in range(0, len(raw), PIECE)]
+def _decode(chunks: list[bytes]) -> str:
+    """The text of a JSON body (UTF-8, -16 or -32, as `json.loads` reads bytes), decoded piece by piece."""
+    start = b"".join(chunks[:4])[:4]  # what json.detect_encoding reads
+    decoder = codecs.getincrementaldecoder(json.detect_encoding(start))("surrogatepass")
+    parts = [decoder.decode(chunk[i:i + PIECE]) for chunk in chunks for i in range(0, len(chunk), PIECE)]
     parts.append(decoder.decode(b"", final=True))
     return "".join(parts)
 
@@ -132,9 +133,9 @@ def _array(text: str, i: int, depth: int) -> tuple[list, int]:
             return out, i
 
 
-def loads(raw: bytes | str) -> Any:
-    """`json.loads(raw)`, with no single C call over the whole text."""
-    text = raw if isinstance(raw, str) else _decode(raw)
+def loads(raw: bytes | str | list[bytes]) -> Any:
+    """`json.loads(raw)`, with no single C call over the whole text; `raw` may come in pieces."""
+    text = raw if isinstance(raw, str) else _decode([raw] if isinstance(raw, bytes) else raw)
     value, i = _value(text, _skip(text, 0), DEPTH)
     i = _skip(text, i)
     if i != len(text):
@@ -147,10 +148,10 @@ def _errors(e: ValidationError) -> list[dict[str, Any]]:
     return [{**{k: v for k, v in err.items() if k != "input"}, "loc": ("body", *err["loc"])} for err in e.errors()]
 
 
-def validate(model: type[M], raw: bytes) -> M:
+def validate(model: type[M], raw: bytes | list[bytes]) -> M:
     """`raw` parsed and validated as `model`, or FastAPI's RequestValidationError (a 400 naming the field).
     A refused body's objects are freed here, not in the thread that handles the error (the event loop)."""
-    if not raw:
+    if not any(raw) if isinstance(raw, list) else not raw:
         raise RequestValidationError([{"type": "missing", "loc": ("body",), "msg": "Field required", "input": None}])
     errors: list[dict[str, Any]] = []
     with gc_paused:
@@ -186,8 +187,10 @@ class Parsed(Generic[M]):
 
 
 async def read(request: Request, model: type[M]) -> Parsed[M]:
-    """The request's body as `model`, parsed and validated in a worker thread."""
-    return Parsed(await run_in_threadpool(validate, model, await request.body()))
+    """The request's body as `model`, parsed and validated in a worker thread. The pieces are handed over
+    as they came: even joining tens of MiB into one `bytes` on the event loop is felt (~100 ms)."""
+    chunks = [chunk async for chunk in request.stream() if chunk]
+    return Parsed(await run_in_threadpool(validate, model, chunks))
 
 
 def _answer(fn: Callable[[M], R], parsed: Parsed[M]) -> R:

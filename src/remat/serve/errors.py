@@ -213,12 +213,16 @@ def _routes(routes):
 
 
 def _allowed(request: Request) -> str:
-    """Every method some route takes at this path (Starlette's own 405 names only the first route's)."""
+    """Every method some route takes at this path (Starlette's own 405 names only the first route's). A path
+    some route names exactly (`/train/plan`) lists only that route's methods, not those of a route with a
+    parameter that would also match it (`/train/{job_id}`: no job is called `plan`)."""
+    path = request.url.path
+    matched = [r for r in _routes(request.app.router.routes)
+               if getattr(r, "path_regex", None) is not None and r.path_regex.match(path)]
+    exact = [r for r in matched if getattr(r, "path", None) == path]
     methods: set[str] = set()
-    for route in _routes(request.app.router.routes):
-        regex = getattr(route, "path_regex", None)
-        if regex is not None and regex.match(request.url.path):
-            methods |= set(getattr(route, "methods", None) or ())
+    for route in exact or matched:
+        methods |= set(getattr(route, "methods", None) or ())
     return ", ".join(sorted(methods))
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import collections
 import hmac
 import json
 
@@ -69,27 +70,26 @@ class BodyLimitMiddleware:
                 return await send_json(send, 400, error_body(400, "Content-Length is not a number"))
             if int(length) > limit:
                 return await send_json(send, 413, too_big, [(b"connection", b"close")])
-        body = await self._read(receive, send, limit, too_big)
-        if body is None:
+        chunks = await self._read(receive, send, limit, too_big)
+        if chunks is None:
             return
-        if body and not headers.get(b"content-type", b"").split(b";")[0].strip().endswith(b"json"):
+        if any(chunks) and not headers.get(b"content-type", b"").split(b";")[0].strip().endswith(b"json"):
             # Every body here is JSON: read it as JSON whatever the client called it (curl -d says a form).
             scope = dict(scope)
             scope["headers"] = [(k, v) for k, v in scope.get("headers") or [] if k != b"content-type"]
             scope["headers"].append((b"content-type", b"application/json"))
-        replayed = False
+        pieces = collections.deque(chunks or [b""])  # as they came: joining tens of MiB here would hold the loop
 
         async def replay():
-            nonlocal replayed
-            if not replayed:
-                replayed = True
-                return {"type": "http.request", "body": body, "more_body": False}
+            if pieces:
+                chunk = pieces.popleft()
+                return {"type": "http.request", "body": chunk, "more_body": bool(pieces)}
             return await receive()  # after the body: disconnect notices, for streaming responses
 
         return await self.app(scope, replay, send)
 
-    async def _read(self, receive, send, limit: int, too_big: dict) -> bytes | None:
-        """The body, or None once an error was sent (or the client left)."""
+    async def _read(self, receive, send, limit: int, too_big: dict) -> list[bytes] | None:
+        """The body's pieces, or None once an error was sent (or the client left)."""
         chunks, size = [], 0
         while True:
             try:
@@ -105,6 +105,7 @@ class BodyLimitMiddleware:
             if size > limit:
                 await send_json(send, 413, too_big, [(b"connection", b"close")])
                 return None
-            chunks.append(chunk)
+            if chunk:
+                chunks.append(chunk)
             if not message.get("more_body", False):
-                return b"".join(chunks)
+                return chunks
