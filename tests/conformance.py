@@ -155,7 +155,8 @@ def tiny_config(name: str, **extra: object) -> transformers.PretrainedConfig:
         raise ValueError("composite config (text_config): the text model is listed under its own name")
     keys = set(default.to_dict()) | set(getattr(default, "attribute_map", {}))
     d = {k: v for k, v in TINY.items() if k in keys}
-    d |= {k: 0.0 for k in DROPOUT_KEYS if k in keys and isinstance(getattr(default, k, None), (int, float))}
+    d |= {k: 0.0 for k in keys if (k in DROPOUT_KEYS or k.endswith("dropout"))
+          and isinstance(getattr(default, k, None), float)}
     d |= FAMILY_OVERRIDES.get(name, {}) | extra
     if "qk_rope_head_dim" in d:  # multi-head latent attention: the rotary part is the head dim
         d["head_dim"] = d["qk_rope_head_dim"]
@@ -244,6 +245,22 @@ MAX_PARAMS = 3_000_000
 
 def _one_line(e: BaseException) -> str:
     return f"{type(e).__name__}: {' '.join(str(e).split())[:240]}"
+
+
+# Open failures, each asserted to still fail (strict xfail) so a fix shows up: (family, check) -> what happens.
+KNOWN_FAILURES: dict[tuple[str, str], str] = {
+    ("deepseek_v4", "ubatch"): "loss differs from the model's by ~1e-3 (cause not found yet)",
+    ("deepseek_v4", "LoRA"): "PEFT LoRA on its compressor breaks a broadcast in the trace",
+    ("jetmoe", "ubatch"): "its MoE routing reads tensor values (data-dependent) under tracing",
+    ("jetmoe", "plan"): "its MoE routing reads tensor values (data-dependent) under tracing",
+    ("modernbert-decoder", "plan"): "its decoder returns a tensor, not a model output",
+    ("jetmoe", "LoRA"): "its MoE routing reads tensor values (data-dependent) under tracing",
+    ("modernbert-decoder", "ubatch"): "its decoder returns a tensor, not a model output",
+    ("modernbert-decoder", "LoRA"): "its decoder returns a tensor, not a model output",
+    ("phimoe", "LoRA"): "PEFT LoRA on its router returns a tuple its MoE block does not expect",
+    ("inkling_text", "walk"): "the probe's K/V shapes do not match what its attention concatenates",
+    ("gpt_neo", "walk"): "walk loss differs by ~4e-5 relative (local attention over the cache)",
+}
 
 
 @dataclass

@@ -20,6 +20,18 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 FAMILIES = C.matrix_families()
 
 
+@pytest.fixture
+def known(request):
+    """`known(name, check)`: mark the test as an expected (strict) failure when the matrix lists one."""
+
+    def mark(name: str, check: str) -> None:
+        reason = C.KNOWN_FAILURES.get((name, check))
+        if reason:
+            request.applymarker(pytest.mark.xfail(reason=reason, strict=True))
+
+    return mark
+
+
 def _no_errors(r: C.Report, check: str) -> None:
     assert check not in r.errors, f"{r.name} {check}: {r.errors[check]}"
 
@@ -37,8 +49,9 @@ def test_the_matrix_is_generated_from_transformers():
 
 
 @pytest.mark.parametrize("name", FAMILIES)
-def test_loss_and_grads_are_the_models(name):
+def test_loss_and_grads_are_the_models(name, known):
     """(i) and (ii): against `model(input_ids, labels=labels).loss.backward()`, recompute off and on."""
+    known(name, "ubatch")
     r = C.check(name)
     _no_errors(r, "ubatch")
     if "ubatch" in r.refused:
@@ -51,8 +64,9 @@ def test_loss_and_grads_are_the_models(name):
 
 
 @pytest.mark.parametrize("name", FAMILIES)
-def test_planned_graph_peak_is_measured(name):
+def test_planned_graph_peak_is_measured(name, known):
     """(iii) with recompute on: the planner's peak is what the run holds."""
+    known(name, "plan")
     r = C.check(name)
     if "ubatch" in r.refused:
         pytest.skip(r.refused["ubatch"])
@@ -61,8 +75,9 @@ def test_planned_graph_peak_is_measured(name):
 
 
 @pytest.mark.parametrize("name", FAMILIES)
-def test_walk_loss_is_the_window_loss(name):
+def test_walk_loss_is_the_window_loss(name, known):
     """(iv) the walk (chunks over the cache and carried state) gives the one-graph loss, or is refused."""
+    known(name, "walk")
     r = C.check(name)
     _no_errors(r, "walk")
     if "walk" in r.refused:
@@ -73,8 +88,9 @@ def test_walk_loss_is_the_window_loss(name):
 
 
 @pytest.mark.parametrize("name", FAMILIES)
-def test_lora_trains(name):
+def test_lora_trains(name, known):
     """(v) one step with a LoRA adapter on every linear layer PEFT accepts changes the adapter."""
+    known(name, "LoRA")
     r = C.check(name)
     _no_errors(r, "LoRA")
     if "LoRA" in r.refused:

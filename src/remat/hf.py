@@ -142,12 +142,14 @@ class _DecoderOnce(nn.Module):
         return out
 
 
-def _decoder_name(lm: Any) -> str:
+def _decoder_slot(lm: Any) -> tuple[nn.Module, str]:
+    """(parent module, attribute) holding the model's decoder (`model`, `transformer`, `model.decoder`...)."""
     decoder = lm.get_decoder()
-    for name, m in lm.named_children():
-        if m is decoder:
-            return name
-    raise UnsupportedModel(f"{type(lm).__name__}: its decoder is not a direct child module")
+    for parent in lm.modules():
+        for name, m in parent.named_children():
+            if m is decoder:
+                return parent, name
+    raise UnsupportedModel(f"{type(lm).__name__}: its decoder is not one of its modules")
 
 
 def model_loss(model: nn.Module, labels: torch.Tensor, loss_chunk: int = 0, n_targets: torch.Tensor | None = None,
@@ -161,9 +163,9 @@ def model_loss(model: nn.Module, labels: torch.Tensor, loss_chunk: int = 0, n_ta
     lm = causal_lm(model)
     n = labels.shape[1]
     step = loss_chunk if 0 < loss_chunk < n else n
-    name = _decoder_name(lm)
-    once = _DecoderOnce(lm._modules[name])
-    lm._modules[name] = once
+    parent, name = _decoder_slot(lm)
+    once = _DecoderOnce(parent._modules[name])
+    parent._modules[name] = once
     try:
         total: torch.Tensor | int = 0
         aux = None
@@ -176,7 +178,7 @@ def model_loss(model: nn.Module, labels: torch.Tensor, loss_chunk: int = 0, n_ta
                                  reduction="sum" if (step < n or n_targets is not None) else "mean")
             total = total + ce
     finally:
-        lm._modules[name] = once.decoder
+        parent._modules[name] = once.decoder
     if step < n or n_targets is not None:
         total = total / (n_targets if n_targets is not None else (labels != -100).sum())
     if aux is not None and not isinstance(aux, (int, float)):
