@@ -407,8 +407,8 @@ def build_error(name: str) -> str | None:
 
 
 def table(rows: dict[str, dict[str, str]]) -> str:
-    """Markdown: family x ubatch / walk / LoRA / full, from {family: {column: status}}."""
-    cols = ("ubatch", "walk", "LoRA", "full")
+    """Markdown: family x window / walk / LoRA / full, from {family: {column: status}}."""
+    cols = ("window", "walk", "LoRA", "full")
     lines = ["| family | " + " | ".join(cols) + " | notes |", "|---|" + "---|" * len(cols) + "---|"]
     for name in sorted(rows):
         r = rows[name]
@@ -417,8 +417,9 @@ def table(rows: dict[str, dict[str, str]]) -> str:
 
 
 def report_row(r: Report) -> dict[str, str]:
-    row = {c: r.status(c) for c in ("ubatch", "walk", "LoRA", "full")}
-    notes = sorted({f"{c}: {m}" for c, m in r.refused.items() if c != "full"})
+    row = {c: r.status(c) for c in ("walk", "LoRA", "full")} | {"window": r.status("ubatch")}
+    notes = sorted({f"{c.replace('ubatch', 'window')}: {m}" for c, m in r.refused.items() if c != "full"})
+    notes += [f"open: {why}" for (name, c), why in KNOWN_FAILURES.items() if name == r.name]
     if r.lora_note:
         notes.append(r.lora_note)
     row["notes"] = "; ".join(notes).replace("|", "/")
