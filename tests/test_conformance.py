@@ -82,7 +82,8 @@ def test_walk_loss_is_the_window_loss(name, known):
     _no_errors(r, "walk")
     if "walk" in r.refused:
         _refusal_is_one_line(r.refused["walk"])
-        assert r.refused["walk"].startswith("the walk path does not support")
+        # refused for the walk itself, or for the model as a whole (then the window path says so too)
+        assert r.refused["walk"].startswith("the walk path does not support") or "ubatch" in r.refused
         return
     assert r.walk_rel is not None and r.walk_rel <= C.TOL, r.walk_rel
 
