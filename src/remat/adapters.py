@@ -12,6 +12,7 @@ import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, cast
 
 import gguf
 import numpy as np
@@ -83,7 +84,7 @@ def apply_lora(model: nn.Module, s: LoraSettings, *, seed: int = 0) -> peft.Peft
     _check_settings(model, s)  # before PEFT touches the model, so a bad setting leaves it as it was
     config = peft.LoraConfig(
         r=s.r,
-        lora_alpha=s.alpha,
+        lora_alpha=s.alpha,  # type: ignore[arg-type]  # PEFT annotates int; it scales by any number
         lora_dropout=s.dropout,
         # PEFT's "all-linear" is every linear layer except the output head.
         target_modules=list(s.targets) if s.targets is not None else "all-linear",
@@ -94,7 +95,7 @@ def apply_lora(model: nn.Module, s: LoraSettings, *, seed: int = 0) -> peft.Peft
     if s.targets is None:  # every linear layer but the head, less those PEFT refuses for this family
         refused = _peft_refused(model)
         if refused:
-            head = model.get_output_embeddings()
+            head = cast(Any, model).get_output_embeddings()
             config.target_modules = sorted({name.rsplit(".", 1)[-1] for name, m in model.named_modules()
                                             if isinstance(m, nn.Linear) and m is not head
                                             and name.rsplit(".", 1)[-1] not in refused})
@@ -103,7 +104,7 @@ def apply_lora(model: nn.Module, s: LoraSettings, *, seed: int = 0) -> peft.Peft
         torch.manual_seed(seed)
         wrapped = peft.get_peft_model(model, config)
     if note:
-        wrapped._remat_lora_note = note
+        cast(Any, wrapped)._remat_lora_note = note
     return wrapped
 
 
@@ -141,7 +142,7 @@ def save_adapter(model: peft.PeftModel, out: str | Path, *, base_name: str,
     with staged(out, error=AdapterError) as tmp:
         config.base_model_name_or_path = base_name
         # "auto" would look up base_name on the Hugging Face hub; the vocabulary never changes here.
-        model.save_pretrained(tmp, save_embedding_layers=False)
+        model.save_pretrained(str(tmp), save_embedding_layers=False)
         try:
             _gguf_arch(model.get_base_model().config)
         except AdapterError as e:
@@ -215,7 +216,7 @@ def _to_gguf_layout(arch: gguf.MODEL_ARCH, name: str, a: np.ndarray, b: np.ndarr
 def _lora_pairs(model: peft.PeftModel) -> Iterator[tuple[str, torch.Tensor, torch.Tensor]]:
     """(module name in the HF model, A [r, in], B [out, r]) for each adapted layer."""
     adapter = model.active_adapter
-    config = model.peft_config[adapter]
+    config: Any = model.peft_config[adapter]  # a LoraConfig (PEFT types it as the base PeftConfig)
     if getattr(config, "use_dora", False) or getattr(config, "lora_bias", False) or config.bias != "none":
         raise AdapterError("GGUF adapter export supports plain LoRA only (no DoRA, no bias)")
     for name, module in model.get_base_model().named_modules():
@@ -228,7 +229,9 @@ def _lora_pairs(model: peft.PeftModel) -> Iterator[tuple[str, torch.Tensor, torc
         if not np.isclose(module.scaling[adapter], config.lora_alpha / r, rtol=1e-6):
             raise AdapterError(f"'{name}' is scaled by {module.scaling[adapter]:g}, not lora_alpha / r: "
                                "llama.cpp cannot express that (rsLoRA or per-layer alpha)")
-        yield name, module.lora_A[adapter].weight, module.lora_B[adapter].weight
+        lora_a: Any = module.lora_A[adapter]
+        lora_b: Any = module.lora_B[adapter]
+        yield name, lora_a.weight, lora_b.weight
 
 
 def _base_tensors(path: Path, arch: gguf.MODEL_ARCH) -> dict[str, tuple[int, ...]]:
@@ -255,7 +258,7 @@ def write_gguf_adapter(model: peft.PeftModel, path: Path, *, base_gguf: Path | N
     if not isinstance(model, peft.PeftModel):
         raise AdapterError("the model has no adapter to export (it is not a PEFT model)")
     path = Path(path)
-    config = model.get_base_model().config
+    config: Any = model.get_base_model().config
     arch = _gguf_arch(config)
     name_map = gguf.get_tensor_name_map(arch, config.num_hidden_layers)
     base = _base_tensors(Path(base_gguf), arch) if base_gguf is not None else None
@@ -284,7 +287,8 @@ def write_gguf_adapter(model: peft.PeftModel, path: Path, *, base_gguf: Path | N
         writer = gguf.GGUFWriter(tmp, gguf.MODEL_ARCH_NAMES[arch])
         writer.add_type(gguf.GGUFType.ADAPTER)
         writer.add_string(gguf.Keys.Adapter.TYPE, "lora")
-        writer.add_float32(gguf.Keys.Adapter.LORA_ALPHA, float(model.peft_config[model.active_adapter].lora_alpha))
+        lora_config: Any = model.peft_config[model.active_adapter]
+        writer.add_float32(gguf.Keys.Adapter.LORA_ALPHA, float(lora_config.lora_alpha))
         for tname, t in tensors.items():
             writer.add_tensor(tname, t)
         writer.write_header_to_file()
@@ -308,7 +312,7 @@ def merge_into_base(base_spec: str | None, adapter_dir: str | Path, out: str | P
     if not (adapter_dir / "adapter_config.json").is_file():
         raise AdapterError(f"'{adapter_dir}' is not an adapter folder (no adapter_config.json)")
     try:
-        config = peft.PeftConfig.from_pretrained(adapter_dir)
+        config = peft.PeftConfig.from_pretrained(str(adapter_dir))
     except (OSError, ValueError, TypeError) as e:
         raise AdapterError(f"cannot read the adapter in '{adapter_dir}': {e}") from None
     spec = base_spec if base_spec is not None else config.base_model_name_or_path

@@ -164,7 +164,9 @@ def model_loss(model: nn.Module, labels: torch.Tensor, loss_chunk: int = 0, n_ta
     n = labels.shape[1]
     step = loss_chunk if 0 < loss_chunk < n else n
     parent, name = _decoder_slot(lm)
-    once = _DecoderOnce(parent._modules[name])
+    decoder = parent._modules[name]
+    assert decoder is not None
+    once = _DecoderOnce(decoder)
     parent._modules[name] = once
     try:
         total: torch.Tensor | int = 0

@@ -12,6 +12,7 @@ are placeholders without gradient: constants for this chunk's backward.
 from __future__ import annotations
 
 import functools
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -56,5 +57,5 @@ def capture_chunk(model: nn.Module, batch: int, ctx: int, ubatch: int, *, loss_c
         return trace(model, loss, inputs,
                      info={"shape": (batch, ubatch), "ctx": ctx, "path": "walk", "loss_chunk": loss_chunk})
     except DataDependentOutputException:
-        raise UnsupportedModel(f"the walk path does not support {model.config.model_type}: with a cache its "
+        raise UnsupportedModel(f"the walk path does not support {cast(Any, model).config.model_type}: with a cache its "
                                "positions depend on the data (learned positions read from the cache)") from None
