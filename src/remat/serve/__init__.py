@@ -1,1 +1,1 @@
-"""`remat serve`: completions and background training jobs in one process (shared/DESIGN.md §7)."""
+"""`remat serve`: completions and background training jobs in one process; see docs/architecture.md."""

@@ -29,7 +29,7 @@ from remat.serve import errors, openapi, page
 from remat.serve.middleware import BODY_TIMEOUT, ApiKeyMiddleware, BodyLimitMiddleware
 from remat.serve.routes import ROUTERS
 from remat.serve.state import Server
-from remat.settings import VERSION, ServeSettings
+from remat.settings import DEFAULT_SLOWDOWN_PPM, VERSION, ServeSettings
 
 __all__ = ["create_app", "main"]
 
@@ -56,7 +56,7 @@ async def lifespan(app: FastAPI):
 
 
 def create_app(*, model: str | None = None, parallel: int = 1, api_keys: list[str] | None = None,
-               max_slowdown_ppm: int = 50_000, memory_budget: int | None = None,
+               max_slowdown_ppm: int = DEFAULT_SLOWDOWN_PPM, memory_budget: int | None = None,
                state_dir: str | Path = "remat-state", max_body: int = DEFAULT_MAX_BODY, n_ctx: int | None = None,
                on_load_error=None, body_timeout: float = BODY_TIMEOUT) -> FastAPI:
     """The FastAPI app; the options are `remat serve`'s. `model`: a spec for `load_model` (None: the embedded

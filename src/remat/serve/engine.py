@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from remat.serve.errors import ApiError
+from remat.settings import one_line
 
 if TYPE_CHECKING:
     from peft import PeftModel
@@ -55,10 +56,6 @@ class SamplingParams:
         return {"n_predict": self.n_predict, "temperature": self.temperature, "top_k": self.top_k,
                 "top_p": self.top_p, "min_p": self.min_p, "seed": self.seed, "stop": list(self.stop),
                 "lora": [dict(x) for x in self.lora] if self.lora is not None else None}
-
-
-def _one_line(e: BaseException) -> str:
-    return " ".join(str(e).split())[:300] or type(e).__name__
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -281,7 +278,7 @@ class Engine:
             if self.requested_ctx is not None and self.requested_ctx > lm.max_ctx:
                 raise ModelError(f"--ctx {self.requested_ctx} is above the model's maximum context {lm.max_ctx}")
         except Exception as e:  # reported by /health; the server stays up
-            self.load_error = _one_line(e)
+            self.load_error = one_line(e)
             raise
         model = lm.model
         model.eval()
@@ -334,7 +331,7 @@ class Engine:
         try:
             text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
         except Exception as e:  # noqa: BLE001 - a template that rejects these messages (roles, order)
-            raise ApiError(400, f"cannot apply the chat template: {_one_line(e)}") from None
+            raise ApiError(400, f"cannot apply the chat template: {one_line(e)}") from None
         assert isinstance(text, str)  # tokenize=False: the rendered text
         self.check_text(len(text))
         return text, self.tokenize(text, add_special=False)  # the template writes any BOS itself
@@ -399,7 +396,7 @@ class Engine:
         except ApiError:
             raise
         except Exception as e:  # noqa: BLE001 - PEFT raises many kinds; all mean it does not fit
-            raise ApiError(400, f"adapter {adapter_id} does not fit the served model: {_one_line(e)}") from None
+            raise ApiError(400, f"adapter {adapter_id} does not fit the served model: {one_line(e)}") from None
         self._loaded[adapter_id] = (name, path)
 
     def _apply_lora(self, key: tuple[tuple[int, float, str], ...]) -> None:

@@ -38,12 +38,13 @@ from pydantic import ValidationError
 from torch import nn
 
 from remat import adapters, checkpoints, data, models, step, train
+from remat.files import staged
 from remat.plan import available_memory
 from remat.serve import body
 from remat.serve.errors import ApiError, invalid, parse
 from remat.serve.scheduler import Scheduler, Totals
 from remat.serve.schemas import MAX_SCALE, LoraScale, TrainRequest
-from remat.settings import Cancelled, GateRefused, TrainSettings, describe, percentile
+from remat.settings import Cancelled, GateRefused, TrainSettings, UsageError, describe, one_line, percentile
 
 log = logging.getLogger("remat.serve")
 
@@ -53,7 +54,6 @@ INTERRUPTED = "interrupted"
 JOB_ID = re.compile(r"job-[0-9a-f]{16}")
 MAX_EVENT_ID = 2**63 - 1  # SQLite's largest integer
 KEEP_CHECKPOINTS = 1  # a running job keeps its latest checkpoint (plus the one being written)
-FILE_MODE, DIR_MODE = 0o644, 0o755  # published adapters are readable by the machine's other users
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS jobs (
@@ -115,23 +115,11 @@ def _dumps_list(values: list) -> str:
     return "[" + ",".join(_dumps(v) for v in values) + "]"
 
 
-def _readable(folder: Path) -> None:
-    """Files 0644 and folders 0755 under `folder` (temporary files are made 0600)."""
-    folder.chmod(DIR_MODE)
-    for p in folder.rglob("*"):
-        p.chmod(DIR_MODE if p.is_dir() else FILE_MODE)
-
-
 def _prune_checkpoints(out: Path, keep: int = KEEP_CHECKPOINTS) -> None:
     """Delete all but the newest `keep` complete checkpoints of a running job."""
     found = sorted((int(m[1]), p) for p in out.glob("checkpoint-*") if (m := re.fullmatch(r"checkpoint-(\d+)", p.name)))
     for _, p in found[:-keep] if keep else found:
         shutil.rmtree(p, ignore_errors=True)
-
-
-def _one_line(e: BaseException) -> str:
-    text = " ".join(str(e).split())
-    return text[:500] or type(e).__name__
 
 
 @dataclass
@@ -503,11 +491,10 @@ class JobManager:
             windows = data.load_windows(records, tokenizer, s.ctx, s.batch, pack=s.pack)
         except data.DataError as e:
             raise _invalid("data", str(e)) from None
-        per_epoch = len(windows) // s.batch // s.accumulate
-        if per_epoch == 0:
-            raise _invalid("accumulate", f"accumulate {s.accumulate} needs more batches than the data gives per "
-                           f"epoch ({len(windows) // s.batch})")
-        return min(s.steps or per_epoch * s.epochs, per_epoch * s.epochs)
+        try:
+            return s.optimizer_steps(len(windows))[1]
+        except UsageError as e:
+            raise _invalid("accumulate", str(e).replace("--", "")) from None
 
     def _choose(self, s: TrainSettings, budget: int) -> dict:
         """The gate on the graph the job will run, traced on fake tensors (no weights): the policy that
@@ -527,7 +514,7 @@ class JobManager:
                 raise ApiError(500, code="model_unavailable", message=str(e), type="server_error") from None
             except Exception as e:  # a model the planner cannot trace: say so, do not crash the server
                 log.exception("planning failed")
-                raise ApiError(500, code="plan_failed", message=f"cannot plan this job: {_one_line(e)}",
+                raise ApiError(500, code="plan_failed", message=f"cannot plan this job: {one_line(e)}",
                                type="server_error") from None
         return {"plans": {k: p.as_dict() for k, p in choice.plans.items()}, "policy": choice.policy,
                 "recompute": choice.policy != "off", "recompute_reason": choice.reason, "budget": budget}
@@ -565,7 +552,7 @@ class JobManager:
                 log.exception("training job %s", job_id)
                 with self._lock:
                     if self._row(job_id)["status"] not in FINISHED:
-                        self._finish(job_id, "failed", f"{type(e).__name__}: {_one_line(e)}")
+                        self._finish(job_id, "failed", f"{type(e).__name__}: {one_line(e)}")
             finally:
                 with self._lock:
                     self._run = None
@@ -589,7 +576,7 @@ class JobManager:
             known = (ValueError, GateRefused, MemoryError)  # the project's errors are ValueErrors with one line
             if not isinstance(e, known):
                 log.exception("training job %s failed", run.job_id)
-            self._end(run, "failed", _one_line(e) if isinstance(e, known) else f"{type(e).__name__}: {_one_line(e)}")
+            self._end(run, "failed", one_line(e) if isinstance(e, known) else f"{type(e).__name__}: {one_line(e)}")
             return
         finally:
             chunks.release()
@@ -638,16 +625,10 @@ class JobManager:
     def _publish(self, job_id: str, s: TrainSettings, files: builtins.list[str]) -> Path:
         """Move the trained files into adapters/<id> (or models/<id>) in one rename: whole or absent."""
         final = self.state_dir / ("adapters" if s.lora else "models") / job_id
-        final.parent.mkdir(parents=True, exist_ok=True)
-        tmp = final.parent / f".tmp-{job_id}"
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir()
-        for f in files:
-            os.replace(f, tmp / Path(f).name)
-        _readable(tmp)
-        if final.exists():  # left by a crash after the rename, before it was recorded
-            shutil.rmtree(final)
-        os.replace(tmp, final)
+        # "replace": a folder left by a crash after the rename, before it was recorded, gives way
+        with staged(final, mode="replace") as tmp:
+            for f in files:
+                os.replace(f, tmp / Path(f).name)
         return final
 
     def _timings(self, run: _Run) -> dict:

@@ -43,7 +43,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from remat.settings import Cancelled, percentile
+from remat.settings import DEFAULT_SLOWDOWN_PPM, Cancelled, percentile
 
 POLL_SECONDS = 0.005  # how often a waiting trainer looks again
 RECENT_CHUNKS = 50  # chunks whose p50 is the expected length of the next one
@@ -74,7 +74,7 @@ class Totals:
 
 
 class Scheduler:
-    def __init__(self, max_slowdown_ppm: int = 50_000, *, window_s: float = 10.0):
+    def __init__(self, max_slowdown_ppm: int = DEFAULT_SLOWDOWN_PPM, *, window_s: float = 10.0):
         if isinstance(max_slowdown_ppm, bool) or not isinstance(max_slowdown_ppm, int) or max_slowdown_ppm < 0:
             raise ValueError(f"max_slowdown_ppm must be a non-negative integer, got {max_slowdown_ppm!r}")
         if not window_s > 0:
