@@ -240,8 +240,9 @@ def test_finetune_json_receipt_and_saved_model(cli, tmp_path):
     assert_plan(receipt["plan"])
     assert receipt["plan"] == receipt["plans"]["off"]
     assert type(receipt["measured"]["graph"]) is int and receipt["measured"]["graph"] > 0
-    # the process's own peak, read from /proc, against the kernel's account of the child (wait4's rusage)
-    assert 0.5 * r.maxrss < receipt["process_peak"]["rss"] <= r.maxrss, (receipt["process_peak"], r.maxrss)
+    # the process's own peak, read from /proc before the outputs are written, within the kernel's account of
+    # the whole child (wait4's rusage); how close the plan comes to it is test_smollm2_plan_predicts_the_process_peak
+    assert 0 < receipt["process_peak"]["rss"] <= r.maxrss, (receipt["process_peak"], r.maxrss)
     assert {"off", "on"} <= set(receipt["plans"])  # what recompute would save, even when it did not run
     assert "recompute off *" in cli("finetune", "--model", "tiny-llama", *TINY, "--steps", "1").out
     assert receipt["seconds_per_epoch"] > 0 and receipt["tokens_per_second"] > 0

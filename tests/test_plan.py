@@ -88,7 +88,8 @@ def _check_categories(p, trainable, frozen_bytes):
     assert p.frozen == frozen_bytes
     d = p.as_dict()
     assert d["total"] == p.total == sum(v for k, v in d.items() if k != "total")
-    assert set(d) == {"params", "frozen", "grads", "optimizer", "graph", "cache", "total"}
+    assert set(d) == {"params", "frozen", "grads", "optimizer", "graph", "cache", "runtime", "total"}
+    assert p.runtime == 0  # a graph's plan; the trainer adds the process's own
 
 
 def test_categories(case):
