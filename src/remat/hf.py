@@ -28,10 +28,9 @@ from transformers import AttentionInterface, masking_utils
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, causal_mask_function, sdpa_mask
 
-from remat.marks import mark
+from remat.marks import LAYER_MARK, mark
 
 ATTENTION = "remat"
-LAYER_MARK = "l_out"  # each decoder layer's output (the residual stream) is marked `l_out.{i}`
 # Mixture-of-experts layers run transformers' "batched_mm" experts: static shapes, so they trace on fake
 # tensors ("grouped_mm" needs bf16 on CPU, "eager" loops over the experts a batch happens to hit).
 EXPERTS = "batched_mm"

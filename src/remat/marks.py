@@ -29,6 +29,7 @@ def _backward(ctx, grad: torch.Tensor):
 mark.register_autograd(_backward)
 
 MARK_OP = torch.ops.remat.mark.default
+LAYER_MARK = "l_out"  # each decoder layer's output (the residual stream) is marked `l_out.{i}`
 
 
 def mark_name(node: torch.fx.Node) -> str | None:

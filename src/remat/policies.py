@@ -25,9 +25,7 @@ from torch import fx
 from torch.utils.flop_counter import flop_registry
 
 from remat import alias
-from remat.marks import mark_name
-
-LAYER_PREFIX = "l_out"
+from remat.marks import LAYER_MARK, mark_name
 
 # Matrix products: the values whose recompute costs the most per byte they hold.
 DOTS = frozenset({
@@ -56,7 +54,7 @@ class Policy:
         return Policy(f"{self.name}+{other.name}", lambda n: self.saves(n) or other.saves(n))
 
 
-def layer_marks(every: int = 1, prefix: str = LAYER_PREFIX) -> Policy:
+def layer_marks(every: int = 1, prefix: str = LAYER_MARK) -> Policy:
     """Save the layer marks `{prefix}.{i}` with (i + 1) % every == 0."""
 
     def saves(n: fx.Node) -> bool:
