@@ -20,7 +20,8 @@ from torch._subclasses.fake_tensor import DataDependentOutputException
 
 from remat.capture import trace
 from remat.graph import TrainGraph
-from remat.hf import UnsupportedModel, WalkCache, model_loss, prepare, state_shapes
+from remat.hf import UnsupportedModel, model_loss, prepare
+from remat.hf_cache import WalkCache, state_shapes
 
 
 def new_state(model: nn.Module, batch: int, ctx: int) -> dict[str, torch.Tensor]:
