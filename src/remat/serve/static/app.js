@@ -663,7 +663,11 @@ function renderJob() {
   const sps = stepsPerSecond(f);
   const lastLoss = f.points.length ? f.points[f.points.length - 1].loss : null;
   const active = !TERMINAL.includes(j.status) && j.status !== "…";
-  const buttons = el("div", {class: "actions"},
+  // The buttons survive a redraw (one per step event) while they stay the same: a click whose press and
+  // release straddle a redraw would otherwise land on two different buttons and be lost.
+  const key = `${j.id}|${active}|${Boolean(j.resumable)}`;
+  const kept = box.querySelector(".job-head .actions");
+  const buttons = kept && kept.dataset.key === key ? kept : el("div", {class: "actions", dataset: {key}},
     active ? el("button", {class: "danger", id: "job-cancel", onclick: () => cancelJob(j.id)}, "Cancel") : null,
     j.resumable ? el("button", {id: "job-resume", onclick: () => resumeJob(j.id)}, "Resume") : null);
   const slow = j.slowdown_ppm;
