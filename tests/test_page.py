@@ -9,25 +9,20 @@ Playwright (no browser download): `make setup` installs it; without it these tes
 
 from __future__ import annotations
 
-import contextlib
-import http.client
 import json
 import os
 import shutil
-import socket
-import subprocess
-import sys
-import time
 from pathlib import Path
 from urllib.parse import urlparse
 
 import pytest
 
-MODEL = "tiny-llama"
+from serve_process import Server
+
 KEY = "page-key"
 CAT = "the cat sat on the mat. "
-TERMINAL = ("succeeded", "failed", "cancelled")
 SCREENSHOTS = os.environ.get("REMAT_SCREENSHOTS")
+
 
 playwright_api = pytest.importorskip("playwright.sync_api", reason="the test extra's playwright is not installed")
 CHROMIUM = next((p for p in map(shutil.which, ("chromium", "chromium-browser")) if p), None)
@@ -35,67 +30,6 @@ pytestmark = [
     pytest.mark.skipif(CHROMIUM is None, reason="no chromium on PATH: `make setup` installs Debian's chromium"),
     pytest.mark.filterwarnings("ignore::FutureWarning"),
 ]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class Server:
-    """`python -m remat.serve.app` in a subprocess, and plain HTTP calls to check what the page did."""
-
-    def __init__(self, state_dir: Path, *args: str, key: str | None = None):
-        self.state_dir, self.args, self.key = Path(state_dir), args, key
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}/"
-        self.log = self.state_dir.parent / "server.log"
-        self.proc: subprocess.Popen | None = None
-
-    def spawn(self) -> Server:
-        cmd = [sys.executable, "-m", "remat.serve.app", "--model", MODEL, "--port", str(self.port),
-               "--state-dir", str(self.state_dir), "--threads", "1", *self.args]
-        with open(self.log, "ab") as log:
-            self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
-        return self
-
-    def wait_ready(self, timeout: float = 120) -> Server:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise AssertionError(f"server exited with {self.proc.returncode}:\n{self.log.read_text()}")
-            with contextlib.suppress(OSError):
-                if self.request("GET", "/health", timeout=2)[0] == 200:
-                    return self
-            time.sleep(0.2)
-        raise AssertionError(f"server not ready after {timeout} s:\n{self.log.read_text()}")
-
-    def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-
-    def request(self, method: str, path: str, body=None, timeout: float = 60) -> tuple[int, object]:
-        conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=timeout)
-        try:
-            data = json.dumps(body).encode() if body is not None else None
-            headers = {"Content-Type": "application/json"} if data is not None else {}
-            if self.key:
-                headers["Authorization"] = f"Bearer {self.key}"
-            conn.request(method, path, body=data, headers=headers)
-            resp = conn.getresponse()
-            text = resp.read().decode()
-            try:
-                return resp.status, json.loads(text)
-            except json.JSONDecodeError:
-                return resp.status, text
-        finally:
-            conn.close()
 
 
 @pytest.fixture(scope="module")

@@ -10,11 +10,9 @@ a bounded load run, and a SIGKILL mid-job followed by a restart on the same stat
 from __future__ import annotations
 
 import concurrent.futures
-import contextlib
 import http.client
 import json
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -22,131 +20,11 @@ from pathlib import Path
 
 import pytest
 
-MODEL = "tiny-llama"
+from serve_process import MODEL, Server, free_port
+
 CAT = "the cat sat on the mat. "
-TERMINAL = ("succeeded", "failed", "cancelled")
+
 pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning")  # PEFT's calls into deprecated transformers
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class Server:
-    """`python -m remat.serve.app` in a subprocess, and a small HTTP client for it."""
-
-    def __init__(self, state_dir: Path, *args: str, key: str | None = None):
-        self.state_dir, self.args, self.key = Path(state_dir), args, key
-        self.port = free_port()
-        self.proc: subprocess.Popen | None = None
-        self.log = self.state_dir.parent / f"{self.state_dir.name}-server.log"
-        self.loading: list = []  # what /health said before it was ready
-
-    def start(self, timeout: float = 120) -> Server:
-        cmd = [sys.executable, "-m", "remat.serve.app", "--model", MODEL, "--port", str(self.port),
-               "--state-dir", str(self.state_dir), "--threads", "1", *self.args]
-        with open(self.log, "ab") as log:
-            self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise AssertionError(f"server exited with {self.proc.returncode}:\n{self.log.read_text()}")
-            with contextlib.suppress(OSError):
-                status, body = self.request("GET", "/health", timeout=2)
-                if status == 200:
-                    return self
-                self.loading.append((status, body))
-            time.sleep(0.2)
-        raise AssertionError(f"server not ready after {timeout} s:\n{self.log.read_text()}")
-
-    def stop(self, sig: int = signal.SIGTERM) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.send_signal(sig)
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-
-    def headers(self, extra: dict | None = None) -> dict:
-        h = {"Authorization": f"Bearer {self.key}"} if self.key else {}
-        return {**h, **(extra or {})}
-
-    def request(self, method: str, path: str, body=None, *, raw: bytes | None = None, headers: dict | None = None,
-                auth: bool = True, timeout: float = 120) -> tuple[int, object]:
-        """(status, parsed JSON or text). `raw` sends bytes as they are."""
-        conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=timeout)
-        try:
-            data = raw if raw is not None else (json.dumps(body).encode() if body is not None else None)
-            h = {"Content-Type": "application/json"} if data is not None else {}
-            h.update(self.headers() if auth else {})
-            h.update(headers or {})
-            conn.request(method, path, body=data, headers=h)
-            resp = conn.getresponse()
-            text = resp.read().decode()
-            try:
-                return resp.status, json.loads(text)
-            except json.JSONDecodeError:
-                return resp.status, text
-        finally:
-            conn.close()
-
-    def ok(self, method: str, path: str, body=None, status: int = 200, **kw):
-        got, out = self.request(method, path, body, **kw)
-        assert got == status, (method, path, got, out)
-        return out
-
-    def sse(self, method: str, path: str, body=None, headers: dict | None = None, timeout: float = 120):
-        """Yield server-sent events as dicts {"id", "event", "data"}; closing the generator hangs up."""
-        conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=timeout)
-        try:
-            data = json.dumps(body).encode() if body is not None else None
-            h = self.headers({"Content-Type": "application/json"} if data else {})
-            conn.request(method, path, body=data, headers={**h, **(headers or {})})
-            resp = conn.getresponse()
-            assert resp.status == 200, (resp.status, resp.read())
-            assert resp.getheader("Content-Type", "").startswith("text/event-stream")
-            event: dict = {}
-            while True:
-                line = resp.readline()
-                if not line:
-                    return
-                line = line.decode().rstrip("\r\n")
-                if not line:
-                    if "data" in event:
-                        yield event
-                    event = {}
-                    continue
-                if line.startswith(":"):
-                    continue
-                name, _, value = line.partition(":")
-                event[name] = value.removeprefix(" ")
-        finally:
-            conn.close()
-
-    # -- training helpers -------------------------------------------------------------------------------
-
-    def submit(self, **job) -> dict:
-        return self.ok("POST", "/train", job, status=202)
-
-    def job(self, job_id: str) -> dict:
-        return self.ok("GET", f"/train/{job_id}")
-
-    def wait_job(self, job_id: str, until=lambda j: j["status"] in TERMINAL, timeout: float = 120) -> dict:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            j = self.job(job_id)
-            if until(j):
-                return j
-            time.sleep(0.1)
-        raise AssertionError(f"job {job_id} not there after {timeout} s: {self.job(job_id)}")
-
-    def cancel(self, job_id: str) -> None:
-        status, body = self.request("DELETE", f"/train/{job_id}")
-        assert status in (200, 409), body
-        self.wait_job(job_id)
 
 
 def cat_job(epochs: int = 2, **extra) -> dict:

@@ -16,7 +16,8 @@ import pytest
 import torch
 
 from remat.serve.engine import SamplingParams, sample
-from test_serve import BAD_INPUTS, CAT, Server, cat_job
+from serve_process import Server
+from test_serve import BAD_INPUTS, CAT, cat_job
 
 pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning")
 

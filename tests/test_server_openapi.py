@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from remat.serve.app import create_app
-from test_serve import Server
+from serve_process import Server
 
 pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning")
 
