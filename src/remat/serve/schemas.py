@@ -182,7 +182,7 @@ class PromptRecord(Loose):
 
 Record = TextRecord | ChatRecord | PromptRecord
 # The knobs a job takes from TrainSettings, by the same name; the rest are the server's to set.
-TRAIN_FIELDS = ("epochs", "steps", "ctx", "batch", "accumulate", "lr", "seed", "path", "ubatch", "walk", "loss_chunk",
+TRAIN_FIELDS = ("epochs", "steps", "ctx", "batch", "accumulate", "lr", "seed", "path", "ubatch", "loss_chunk",
                 "save_every", "pack")
 
 
