@@ -9,9 +9,11 @@ Playwright (no browser download): `make setup` installs it; without it these tes
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
+from decimal import ROUND_HALF_UP, Decimal
 from pathlib import Path
 from urllib.parse import urlparse
 
@@ -109,6 +111,23 @@ def records_jsonl(n: int = 4) -> str:
     return "\n".join(json.dumps({"text": CAT * 6}) for _ in range(n))
 
 
+def pct(ppm: int | None) -> str:
+    """The page's pct(): parts per million as a percentage (JS toFixed rounds the exact value half up)."""
+    if ppm is None:
+        return "—"
+    return f"{Decimal(ppm / 10000).quantize(Decimal('0.01' if ppm < 10000 else '0.1'), ROUND_HALF_UP)}%"
+
+
+@contextlib.contextmanager
+def delivered(p, method: str, path: str, what: str, timeout: float = 10_000):
+    """The click inside sends `method path`, or the test fails at once saying the click was lost."""
+    try:
+        with p.expect_request(lambda r: r.method == method and urlparse(r.url).path == path, timeout=timeout):
+            yield
+    except playwright_api.TimeoutError as e:
+        raise AssertionError(f"{what}: no {method} {path} within {timeout / 1000:.0f} s; the click was lost") from e
+
+
 # ---------------------------------------------------------------------------------------------------------
 
 
@@ -126,6 +145,7 @@ def test_chat_streams(page):
     page.tab("chat")
     p = page.page
     p.fill("#chat-max", "96")  # long enough that a loaded machine cannot deliver it in one read
+    p.fill("#chat-temp", "0")  # greedy: sampled, the model may end its answer at once ("(no text)")
     p.fill("#chat-input", "What is remat?")
     p.click("#chat-send")
     p.wait_for_selector(".msg.assistant[data-done]", timeout=60_000)
@@ -191,6 +211,18 @@ def test_train_plan_then_live_loss_curve(page, server):
     metrics = p.inner_text("#job-detail .metrics")
     assert f"{steps} / {steps}" in metrics
     assert "STEPS/S\n—" not in metrics.upper() and "ms" in metrics  # steps/s and the chunk windows
+    # the measured decode slowdown against the bound: the job's own figures and the server's bound
+    bound = server.request("GET", "/props")[1]["max_slowdown_ppm"]
+    slow = job["slowdown_ppm"]
+    assert bound > 0
+    shown = p.inner_text("#job-detail .metrics .slowdown")
+    assert shown.startswith(pct(slow)) and f" of {pct(bound)} bound" in shown, (shown, slow, bound)
+    assert p.get_attribute("#job-detail .slow-bar", "title") == f"measured {pct(slow)} of the bound {pct(bound)}"
+    width = p.evaluate("parseFloat(document.querySelector('#job-detail .slow-bar span').style.width)")
+    assert width == pytest.approx(min(100.0, 100 * (slow or 0) / bound), abs=0.051)
+    if job["slowdown_source"]:
+        assert p.locator("#job-detail .metric", has=p.locator(".slowdown")).get_attribute("title") == \
+            f"measured from {job['slowdown_source']}"
     page.shot("jobs")
 
 
@@ -242,6 +274,30 @@ def test_bad_file_and_refused_records_show_their_messages(page, server):
     p.click("#t-submit")
     p.wait_for_function("() => document.querySelector('#train-error').textContent.startsWith('400')")
     assert body["error"]["message"] in page.error_text("#train-error")
+
+    # a good file: planned, then queued, with the form's LoRA rank and steps
+    p.set_input_files("#t-file", files=[{"name": "cat.jsonl", "mimeType": "application/json",
+                                         "buffer": records_jsonl(3).encode()}])
+    p.fill("#t-name", "from-file")
+    p.fill("#t-ctx", "32")
+    p.fill("#t-epochs", "1")
+    p.fill("#t-steps", "2")
+    p.fill("#t-rank", "4")
+    p.click("#t-plan")
+    p.wait_for_function("() => document.querySelector('#plan').textContent.includes('not queued')", timeout=60_000)
+    assert p.locator("#train-error").is_hidden()
+    assert "· 2 steps" in p.inner_text("#plan")
+    with delivered(p, "POST", "/train", "Submit"):
+        p.click("#t-submit")
+    p.wait_for_function("() => window.__remat.follow && document.querySelector('#plan').textContent.includes("
+                        "'Queued as ' + window.__remat.follow.id)", timeout=60_000)
+    job_id = p.evaluate("window.__remat.follow.id")
+    job = server.request("GET", f"/train/{job_id}")[1]
+    assert job["name"] == "from-file" and job["steps"] == 2, job
+    assert job["settings"]["lora"] is True and job["settings"]["lora_r"] == 4, job["settings"]  # the rank field
+    assert server.wait_job(job_id)["status"] == "succeeded"  # done before the next tests queue theirs
+    for field in ("#t-steps", "#t-rank", "#t-name"):
+        p.fill(field, "")
     p.set_input_files("#t-file", files=[])
 
 
@@ -276,29 +332,48 @@ def test_budget_field_refusal_shows_its_figures(page, server):
 
 
 def test_reconnect_cancel_and_resume(page, server):
-    job = server.request("POST", "/train", {"data": [{"text": CAT * 6}], "ctx": 32, "epochs": 400,
-                                            "name": "long"})[1]
+    # sized by steps (epochs only high enough not to cap them): it cannot end before the test cancels it
+    job = server.request("POST", "/train", {"data": [{"text": CAT * 6}], "ctx": 32, "epochs": 100_000,
+                                            "steps": 100_000, "name": "long"})[1]
+    assert job["steps"] == 100_000, job
+    job_id = job["id"]
+    detail = f"#job-detail[data-job='{job_id}']"
     page.tab("jobs")
     p = page.page
-    p.click(f"#job-list li[data-job='{job['id']}']")
-    p.wait_for_function(f"() => window.__remat.follow.id === '{job['id']}' && window.__remat.follow.live >= 3")
+    p.click(f"#job-list li[data-job='{job_id}']")
+    p.wait_for_function(f"() => window.__remat.follow.id === '{job_id}' && window.__remat.follow.live >= 3")
 
     # The stream drops: the page reconnects with Last-Event-ID and the curve goes on without a gap or a repeat.
     last = p.evaluate("() => { const f = window.__remat.follow; const id = f.lastId; f.conn.abort(); return id; }")
     p.wait_for_function(f"() => window.__remat.follow.reconnects >= 1 && window.__remat.follow.lastId > {last}")
-    resent = [h["last-event-id"] for url, h in page.headers if f"/train/{job['id']}/events" in url
+    resent = [h["last-event-id"] for url, h in page.headers if f"/train/{job_id}/events" in url
               and "stream=false" not in url]
     assert len(resent) >= 2 and int(resent[-1]) >= last, resent
     steps = p.evaluate("window.__remat.follow.points.map((x) => x.step)")
     assert steps == list(range(1, len(steps) + 1)), steps
-    p.locator(f"#job-detail[data-job='{job['id']}'] #job-cancel").click()
-    p.wait_for_selector(f"#job-detail[data-job='{job['id']}'][data-status=cancelled]", timeout=60_000)
-    p.locator("#job-resume").click()
-    p.wait_for_selector(f"#job-detail[data-job='{job['id']}'][data-status=running]", timeout=60_000)
-    assert server.request("GET", f"/train/{job['id']}")[1]["status"] in ("queued", "running")
-    p.locator("#job-cancel").click()
-    p.wait_for_selector(f"#job-detail[data-job='{job['id']}'][data-status=cancelled]", timeout=60_000)
-    assert server.request("GET", f"/train/{job['id']}")[1]["status"] == "cancelled"
+
+    # A press held across redraws (a step event redraws the view) is still a click: the button stays put.
+    cancel = p.locator(f"{detail} #job-cancel")
+    cancel.wait_for()
+    p.evaluate("() => { window.__cancel = document.querySelector('#job-cancel');"
+               " window.__redraws = window.__remat.follow.seen.length; }")
+    box = cancel.bounding_box()
+    with delivered(p, "DELETE", f"/train/{job_id}", "Cancel pressed across redraws"):
+        p.mouse.move(box["x"] + box["width"] / 2, box["y"] + box["height"] / 2)
+        p.mouse.down()
+        p.wait_for_function("() => window.__remat.follow.seen.length >= window.__redraws + 2")
+        assert p.evaluate("() => window.__cancel.isConnected && document.querySelector('#job-cancel') === "
+                          "window.__cancel")
+        p.mouse.up()
+    p.wait_for_selector(f"{detail}[data-status=cancelled]", timeout=60_000)
+    with delivered(p, "POST", f"/train/{job_id}/resume", "Resume"):
+        p.locator(f"{detail} #job-resume").click()
+    p.wait_for_selector(f"{detail}[data-status=running]", timeout=60_000)
+    assert server.request("GET", f"/train/{job_id}")[1]["status"] in ("queued", "running")
+    with delivered(p, "DELETE", f"/train/{job_id}", "Cancel after resume"):
+        p.locator(f"{detail} #job-cancel").click()
+    p.wait_for_selector(f"{detail}[data-status=cancelled]", timeout=60_000)
+    assert server.request("GET", f"/train/{job_id}")[1]["status"] == "cancelled"
 
 
 def test_api_key_and_memory_refusal(browser, keyed):

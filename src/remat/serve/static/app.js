@@ -472,10 +472,17 @@ function renderPlan(box, answer, error) {
 
 // ------------------------------------------------------------------------------------------------- jobs
 
+// One polling loop: a call while a poll is in flight asks for one more poll after it (its answer may predate
+// what the caller changed) instead of starting a second loop; the timer is cleared right before it is set.
 let jobsTimer = null;
+let jobsPolling = false;
+let jobsAgain = false;
 
 async function refreshJobs() {
+  if (jobsPolling) { jobsAgain = true; return; }
+  jobsPolling = true;
   clearTimeout(jobsTimer);
+  jobsTimer = null;
   try {
     const res = await api("GET", "/train");
     S.jobs = res.data || [];
@@ -489,9 +496,13 @@ async function refreshJobs() {
     }
   } catch (e) {
     showError("#jobs-error", e);
+  } finally {
+    jobsPolling = false;
   }
+  if (jobsAgain) { jobsAgain = false; refreshJobs(); return; }
   const active = S.jobs.filter((j) => !TERMINAL.includes(j.status)).length;
-  if (S.tab === "jobs" || active) jobsTimer = setTimeout(refreshJobs, active ? 1000 : 3000);
+  clearTimeout(jobsTimer);
+  jobsTimer = S.tab === "jobs" || active ? setTimeout(refreshJobs, active ? 1000 : 3000) : null;
 }
 
 function statusBadge(status) {
@@ -504,14 +515,27 @@ function renderJobList() {
   count.hidden = !active;
   count.textContent = active ? String(active) : "";
   const ul = $("#job-list");
-  ul.replaceChildren();
-  if (!S.jobs.length) { ul.append(el("li", {class: "muted"}, "No jobs yet.")); return; }
-  for (const j of S.jobs.slice().reverse()) {
-    ul.append(el("li", {class: S.follow && S.follow.id === j.id ? "selected" : "", dataset: {job: j.id},
-                        onclick: () => followJob(j.id)},
-      el("div", {class: "job-name"}, j.name || j.id, statusBadge(j.status)),
-      el("div", {class: "muted small"}, `${j.id} · step ${j.step || 0}${j.steps ? "/" + j.steps : ""}`)));
-  }
+  if (!S.jobs.length) { ul.replaceChildren(el("li", {class: "muted"}, "No jobs yet.")); return; }
+  // Rows are kept by job id and updated in place, like the job view: a poll must not drop a click on one.
+  const rows = new Map([...ul.children].filter((li) => li.dataset.job).map((li) => [li.dataset.job, li]));
+  const order = S.jobs.slice().reverse().map((j) => {
+    let li = rows.get(j.id);
+    if (!li) {
+      li = el("li", {dataset: {job: j.id}, onclick: () => followJob(j.id)},
+              el("div", {class: "job-name"}, el("span", {class: "job-title"}), statusBadge(j.status)),
+              el("div", {class: "muted small job-sub"}));
+    }
+    li.classList.toggle("selected", Boolean(S.follow && S.follow.id === j.id));
+    setText(li.querySelector(".job-title"), j.name || j.id);
+    const badge = li.querySelector(".status");
+    setText(badge, j.status);
+    badge.className = "status s-" + j.status;
+    setText(li.querySelector(".job-sub"), `${j.id} · step ${j.step || 0}${j.steps ? "/" + j.steps : ""}`);
+    return li;
+  });
+  const keep = new Set(order);
+  for (const li of [...ul.children]) if (!keep.has(li)) li.remove();
+  order.forEach((li, i) => { if (ul.children[i] !== li) ul.insertBefore(li, ul.children[i] || null); });
 }
 
 // Follow one job: its events so far, then the live stream, reconnecting with Last-Event-ID.
@@ -654,54 +678,100 @@ function metric(label, value, title) {
             el("div", {class: "m-value"}, value));
 }
 
+// The job view's nodes, made once per followed job and then updated in place. A redraw comes with every step
+// event and poll; one that detached the header would drop a click whose press and release straddle it (a
+// person's press lasts longer than a frame), and one that rebuilt the plan would close it while it is read.
+function jobView(box, id) {
+  if (box.__view && box.__view.id === id && box.__view.head.parentNode === box) return box.__view;
+  const v = {id, actionsKey: null, planKey: null};
+  v.title = document.createTextNode("");
+  v.badge = el("span", {class: "status"});
+  v.state = el("span", {class: "muted small stream-state"});
+  v.actions = el("div", {class: "actions"});
+  v.head = el("div", {class: "job-head"}, el("h2", {}, v.title, " ", v.badge), v.state, v.actions);
+  v.reason = el("p", {hidden: true});
+  v.chart = svg("svg", {class: "chart"});
+  v.metrics = el("div", {class: "metrics"});
+  v.planBars = el("div");
+  v.plan = el("details", {class: "job-plan", hidden: true}, el("summary", {}, "plan"), v.planBars);
+  v.adapterText = document.createTextNode("");
+  v.adapter = el("p", {class: "muted small", hidden: true}, v.adapterText, el("a", {href: "#adapters"}, "set its scale"));
+  v.output = el("p", {class: "muted small", hidden: true});
+  box.replaceChildren(v.head, v.reason, v.chart, v.metrics, v.plan, v.adapter, v.output);
+  box.__view = v;
+  return v;
+}
+
+function setText(node, text) {
+  if (node.textContent !== text) node.textContent = text;
+}
+
 function renderJob() {
   const box = $("#job-detail");
   const f = S.follow;
   if (!f) return;
   const j = f.job || {id: f.id, status: "…"};
+  const v = jobView(box, j.id);
   const bound = S.props ? S.props.max_slowdown_ppm : null;
   const sps = stepsPerSecond(f);
   const lastLoss = f.points.length ? f.points[f.points.length - 1].loss : null;
   const active = !TERMINAL.includes(j.status) && j.status !== "…";
-  // The buttons survive a redraw (one per step event) while they stay the same: a click whose press and
-  // release straddle a redraw would otherwise land on two different buttons and be lost.
-  const key = `${j.id}|${active}|${Boolean(j.resumable)}`;
-  const kept = box.querySelector(".job-head .actions");
-  const buttons = kept && kept.dataset.key === key ? kept : el("div", {class: "actions", dataset: {key}},
-    active ? el("button", {class: "danger", id: "job-cancel", onclick: () => cancelJob(j.id)}, "Cancel") : null,
-    j.resumable ? el("button", {id: "job-resume", onclick: () => resumeJob(j.id)}, "Resume") : null);
+
+  setText(v.title, j.name || j.id);
+  setText(v.badge, j.status);
+  v.badge.className = "status s-" + j.status;
+  v.state.dataset.state = f.state;
+  setText(v.state, f.state === "live" ? "● live" : f.state === "reconnecting" ? "reconnecting…"
+    : f.state === "ended" ? "" : "…");
+  const actionsKey = `${j.id}|${active}|${Boolean(j.resumable)}`;  // the buttons change only with this
+  if (v.actionsKey !== actionsKey) {
+    v.actionsKey = actionsKey;
+    v.actions.replaceChildren(...[
+      active ? el("button", {class: "danger", id: "job-cancel", onclick: () => cancelJob(j.id)}, "Cancel") : null,
+      j.resumable ? el("button", {id: "job-resume", onclick: () => resumeJob(j.id)}, "Resume") : null,
+    ].filter(Boolean));
+  }
+
+  v.reason.hidden = !j.reason;
+  v.reason.className = j.status === "failed" ? "refused" : "muted";
+  setText(v.reason, j.reason || "");
+
+  const chart = lossChart(f);
+  v.chart.replaceWith(chart);
+  v.chart = chart;
+
   const slow = j.slowdown_ppm;
   const slowBar = bound ? el("div", {class: "slow-bar", title: `measured ${pct(slow)} of the bound ${pct(bound)}`},
     el("span", {style: `width:${Math.min(100, 100 * (slow || 0) / bound).toFixed(1)}%`,
                 class: slow > bound ? "over" : ""})) : null;
   const measured = j.measured && j.measured.graph;
-  box.replaceChildren(...[
-    el("div", {class: "job-head"},
-      el("h2", {}, j.name || j.id, " ", statusBadge(j.status)),
-      el("span", {class: "muted small stream-state", dataset: {state: f.state}},
-         f.state === "live" ? "● live" : f.state === "reconnecting" ? "reconnecting…" : f.state === "ended" ? "" : "…"),
-      buttons),
-    j.reason ? el("p", {class: j.status === "failed" ? "refused" : "muted"}, j.reason) : null,
-    lossChart(f),
-    el("div", {class: "metrics"},
-      metric("step", `${j.step || (f.points.length ? f.points[f.points.length - 1].step : 0)}` +
-             (j.steps ? ` / ${j.steps}` : "")),
-      metric("loss", fmt(lastLoss, 4)),
-      metric("steps/s", sps === null ? "—" : fmt(sps, sps >= 10 ? 1 : 2), "over the last 20 steps"),
-      metric("chunk window p50", ms(j.window_p50), "how long a decode could wait for a training chunk"),
-      metric("chunk window p95", ms(j.window_p95)),
-      metric("decode slowdown", el("span", {}, pct(slow), el("span", {class: "muted small"},
-             bound !== null ? ` of ${pct(bound)} bound` : ""), slowBar),
-             j.slowdown_source ? `measured from ${j.slowdown_source}` : null),
-      metric("memory planned", mib(j.plan && j.plan.total),
-             j.recompute_reason || ""),
-      metric("graph planned / measured", `${mib(j.plan && j.plan.graph)} / ${measured ? mib(measured) : "—"}`),
-      metric("recompute", j.recompute === undefined ? "—" : jobPolicy(j), j.recompute_reason)),
-    j.plans ? el("details", {class: "job-plan"}, el("summary", {}, "plan"),
-                 planBars(j.plans, j.budget, jobPolicy(j))) : null,
-    j.adapter ? el("p", {class: "muted small"}, `adapter #${j.adapter.id} "${j.adapter.name}" at scale ` +
-                   `${fmt(j.adapter.scale)} · `, el("a", {href: "#adapters"}, "set its scale")) : null,
-    j.output && !j.adapter ? el("p", {class: "muted small"}, `output: ${j.output}`) : null].filter(Boolean));
+  v.metrics.replaceChildren(
+    metric("step", `${j.step || (f.points.length ? f.points[f.points.length - 1].step : 0)}` +
+           (j.steps ? ` / ${j.steps}` : "")),
+    metric("loss", fmt(lastLoss, 4)),
+    metric("steps/s", sps === null ? "—" : fmt(sps, sps >= 10 ? 1 : 2), "over the last 20 steps"),
+    metric("chunk window p50", ms(j.window_p50), "how long a decode could wait for a training chunk"),
+    metric("chunk window p95", ms(j.window_p95)),
+    metric("decode slowdown", el("span", {class: "slowdown"}, pct(slow), el("span", {class: "muted small"},
+           bound !== null ? ` of ${pct(bound)} bound` : ""), slowBar),
+           j.slowdown_source ? `measured from ${j.slowdown_source}` : null),
+    metric("memory planned", mib(j.plan && j.plan.total), j.recompute_reason || ""),
+    metric("graph planned / measured", `${mib(j.plan && j.plan.graph)} / ${measured ? mib(measured) : "—"}`),
+    metric("recompute", j.recompute === undefined ? "—" : jobPolicy(j), j.recompute_reason));
+
+  v.plan.hidden = !j.plans;
+  const planKey = j.plans ? JSON.stringify([j.plans, j.budget, jobPolicy(j)]) : null;
+  if (planKey !== v.planKey) {  // rebuilt only when the plan changes: an open <details> stays as it is
+    v.planKey = planKey;
+    v.planBars.replaceChildren(...(j.plans ? [planBars(j.plans, j.budget, jobPolicy(j))] : []));
+  }
+
+  v.adapter.hidden = !j.adapter;
+  setText(v.adapterText, j.adapter ? `adapter #${j.adapter.id} "${j.adapter.name}" at scale ` +
+          `${fmt(j.adapter.scale)} · ` : "");
+  v.output.hidden = !(j.output && !j.adapter);
+  setText(v.output, j.output && !j.adapter ? `output: ${j.output}` : "");
+
   box.dataset.job = j.id;
   box.dataset.status = j.status;
 }
