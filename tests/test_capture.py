@@ -8,9 +8,12 @@ from torch import fx
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from remat import capture as cap
+from remat import step
 from remat.capture import EagerStridesFakeMode
 from remat.graph import ROLES, StepInputs, interpret
 from remat.hf import causal_lm_loss
+from remat.models import load_model
+from remat.settings import TrainSettings
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -90,6 +93,18 @@ def test_frozen_params_leave_the_grads(make_case):
     assert torch.equal(loss, eager_loss.detach())
     for name, g, e in zip(c.trainable(), grads, eager_grads):
         assert torch.equal(g, e), name
+
+
+def test_step_build_traces_once_and_reuses():
+    """Every policy of one shape rewrites the same trace, and a second `build` returns the graph it built."""
+    model = load_model("tiny-llama", seed=0).model
+    shape = step.StepShape.of(TrainSettings(model="tiny-llama", ctx=32, batch=1))
+    before = cap.trace_count()
+    graphs = {p: step.build(model, shape, p) for p in ("off", "on", "dots")}
+    assert cap.trace_count() == before + 1
+    assert all(step.build(model, shape, p) is g for p, g in graphs.items())
+    assert step.build(model, shape, True) is step.build(model, shape, "layer") is graphs["on"]  # one policy
+    assert cap.trace_count() == before + 1
 
 
 def test_boundary_splits_forward_from_backward(case):

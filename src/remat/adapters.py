@@ -24,7 +24,7 @@ from torch import nn
 
 from remat.files import listing, staged, staged_file
 from remat.models import ModelError, load_model
-from remat.settings import UsageError
+from remat.settings import UsageError, one_line
 
 __all__ = [
     "DEFAULT_BASE",
@@ -327,7 +327,7 @@ def merge_into_base(base_spec: str | None, adapter_dir: str | Path, out: str | P
         model = peft.PeftModel.from_pretrained(lm.model, adapter_dir)
     except (OSError, ValueError, RuntimeError, KeyError) as e:
         raise AdapterError(f"the adapter in '{adapter_dir}' does not fit the base model '{spec}': "
-                           f"{' '.join(str(e).split())[:300]}") from None
+                           f"{one_line(e)}") from None
     # PEFT only warns about adapter weights it could not place; a partial merge would be silently wrong.
     with safetensors.safe_open(adapter_dir / "adapter_model.safetensors", "pt") as f:
         saved = set(f.keys())

@@ -36,7 +36,7 @@ __all__ = ["create_app", "main"]
 log = logging.getLogger("remat.serve")
 
 SWITCH_INTERVAL = 0.001  # seconds
-DEFAULT_MAX_BODY: int = ServeSettings.model_fields["max_body"].default
+SERVE = {name: f.default for name, f in ServeSettings.model_fields.items()}  # `remat serve`'s defaults, once
 
 
 @asynccontextmanager
@@ -55,9 +55,9 @@ async def lifespan(app: FastAPI):
         log.info("stopped")
 
 
-def create_app(*, model: str | None = None, parallel: int = 1, api_keys: list[str] | None = None,
+def create_app(*, model: str | None = None, parallel: int = SERVE["parallel"], api_keys: list[str] | None = None,
                max_slowdown_ppm: int = DEFAULT_SLOWDOWN_PPM, memory_budget: int | None = None,
-               state_dir: str | Path = "remat-state", max_body: int = DEFAULT_MAX_BODY, n_ctx: int | None = None,
+               state_dir: str | Path = SERVE["state_dir"], max_body: int = SERVE["max_body"], n_ctx: int | None = None,
                on_load_error=None, body_timeout: float = BODY_TIMEOUT) -> FastAPI:
     """The FastAPI app; the options are `remat serve`'s. `model`: a spec for `load_model` (None: the embedded
     default). The model loads in a background thread when the app starts (lifespan): /health answers 503

@@ -19,6 +19,8 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from remat.settings import one_line
+
 __all__ = ["ApiError", "ErrorResponse", "SafeJSONResponse", "error_body", "error_response", "install",
            "responses"]
 
@@ -127,10 +129,6 @@ def error_body(status: int, message: str, type: str | None = None, code: int | s
 def error_response(status: int, message: str, type: str | None = None, code: int | str | None = None,
                    extra: dict | None = None, headers: dict | None = None) -> JSONResponse:
     return SafeJSONResponse(error_body(status, message, type, code, extra), status_code=status, headers=headers)
-
-
-def one_line(e: BaseException, limit: int = 300) -> str:
-    return " ".join(str(e).split())[:limit] or type(e).__name__
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -13,7 +13,8 @@ from fastapi.responses import StreamingResponse
 from starlette.concurrency import run_in_threadpool
 
 from remat.serve.engine import Generation, SamplingParams
-from remat.serve.errors import ApiError, error_body, one_line
+from remat.serve.errors import ApiError, error_body
+from remat.settings import one_line
 
 log = logging.getLogger("remat.serve")
 

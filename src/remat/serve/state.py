@@ -12,9 +12,10 @@ from typing import Annotated
 from fastapi import Depends, Request
 
 from remat.serve.engine import Engine
-from remat.serve.errors import ApiError, one_line
+from remat.serve.errors import ApiError
 from remat.serve.jobs import JobManager
 from remat.serve.scheduler import Scheduler
+from remat.settings import one_line
 
 log = logging.getLogger("remat.serve")
 
