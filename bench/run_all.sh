@@ -5,6 +5,8 @@
 #
 # Each run trains four variants side by side (remat recompute off / on, PyTorch per-layer
 # checkpointing, plain eager) and writes bench.json, bench.md and bench.png into its folder.
+# Walk runs add two, recompute on: the truncated walk and the window path (the walk receipt),
+# once full fine-tuning and once with --lora (every variant trains the same r-8 adapter).
 # SmolLM2 at ctx 2048 is full fine-tuning at ~30 s a step per variant on 2 cores: 2 steps
 # there (the first is the warm-up, so its step time is one step's).
 set -euo pipefail
@@ -22,6 +24,7 @@ bench --ctx 512 --steps 4 --out "$out/smollm2-ctx512"
 bench --model tiny-qwen35 --ctx 512 --steps 8 --out "$out/tiny-qwen35-ctx512"
 bench --ctx 2048 --steps 2 --out "$out/smollm2-ctx2048"
 bench --ctx 2048 --steps 2 --path walk --ubatch 256 --out "$out/smollm2-walk-ctx2048"
+bench --ctx 2048 --steps 2 --path walk --ubatch 256 --lora --out "$out/smollm2-walk-ctx2048-lora"
 
 python -c "from remat.bench import write_summary; print(write_summary('$out'))"
 echo "done in $((SECONDS - start)) s" >&2

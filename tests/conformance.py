@@ -237,6 +237,18 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return num / den if den else num
 
 
+def grads_rel(grads: list[torch.Tensor], reference: list[torch.Tensor]) -> float:
+    """The worst tensor's ||g - ref|| / ||ref||, where ||ref|| is at least 1e-3 of the largest tensor's norm.
+
+    The floor is for gradients that are sums cancelling to near zero, whose fp32 rounding is that of
+    the much larger summands: a key bias (softmax ignores a shift shared by every key: its true gradient
+    is 0), a delta rule's decay parameters (tests/test_walk.py holds those in fp64, where they agree).
+    """
+    floor = 1e-3 * max(r.double().norm().item() for r in reference)
+    return max((g.double() - r.double()).norm().item() / max(r.double().norm().item(), floor)
+               for g, r in zip(grads, reference))
+
+
 # ------------------------------------------------------------------------------------------ the checks
 
 TOL = 1e-5  # relative, fp32
@@ -276,6 +288,7 @@ class Report:
     planned: int | None = None
     measured: int | None = None
     walk_rel: float | None = None  # walk window loss vs the ubatch loss
+    walk_grad_rel: float | None = None  # the exact walk's grads vs the model's own (worst parameter)
     lora_changed: bool | None = None
     lora_note: str = ""
 
@@ -288,7 +301,8 @@ class Report:
             "ubatch": self.bitwise and self.planned == self.measured
             and max(self.loss_rel.values(), default=1) <= TOL,
             "full": max(self.grad_rel.values(), default=1) <= TOL,
-            "walk": self.walk_rel is not None and self.walk_rel <= TOL,
+            "walk": self.walk_rel is not None and self.walk_rel <= TOL
+            and self.walk_grad_rel is not None and self.walk_grad_rel <= TOL,
             "LoRA": bool(self.lora_changed),
         }[check]
         return "yes" if ok else "differs"
@@ -349,16 +363,16 @@ def check(name: str) -> Report:
         report.refused.setdefault("full", report.refused["ubatch"])
 
     def walked():
-        tg = walk.capture_chunk(model, BATCH, SEQ, UBATCH)
-        state = walk.new_state(model, BATCH, SEQ)
-        n_targets = (labels != -100).sum().to(torch.float32)
+        tg = walk.capture_chunk(model, BATCH, SEQ, UBATCH, exact=True)
         tensors = StepInputs.of(model)
-        total = 0
-        for start in range(0, SEQ, UBATCH):
-            piece = [t[:, start:start + UBATCH].contiguous() for t in (ids, labels)]
-            total = total + tg(*tensors.args(*state.values(), torch.tensor(start), n_targets, *piece))[0]
+        total, summed = 0, None
+        for inputs in walk.Walk(model, BATCH, SEQ, UBATCH, exact=True).chunks(ids, labels, lambda: None):
+            chunk_loss, g = tg(*tensors.args(*inputs))
+            total, summed = total + chunk_loss, g if summed is None else [a + b for a, b in zip(summed, g)]
         if ubatch_loss is not None:
             report.walk_rel = rel(total, ubatch_loss)
+        by_name = dict(zip(names, grads))
+        report.walk_grad_rel = grads_rel(summed, [by_name[n] for n in tensors.trainable])
 
     _attempt(report, "walk", walked)
 

@@ -1,4 +1,4 @@
-"""`remat bench`: four variants side by side on a tiny model; files and schema."""
+"""`remat bench`: four variants side by side on a tiny model (six on the walk path); files and schema."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from remat.bench import VARIANTS, run_bench
+from remat.bench import VARIANTS, WALK_VARIANTS, run_bench
 
 
 @pytest.fixture(scope="module")
@@ -80,8 +80,71 @@ def test_summary_table(bench, tmp_path):
     assert "[tiny](tiny/bench.md)" in text and "tiny-llama ctx 64" in text
 
 
+@pytest.fixture(scope="module")
+def walk_bench():
+    return run_bench("tiny-llama", ctx=64, steps=2, path="walk", ubatch=16, progress=False)
+
+
+def test_walk_six_variants(walk_bench):
+    result = walk_bench
+    assert [v["variant"] for v in result["variants"]] == [*VARIANTS, *WALK_VARIANTS]
+    assert (result["path"], result["walk"], result["lora"]) == ("walk", "exact", None)
+    by = {v["variant"]: v for v in result["variants"]}
+    assert "exact walk" in by["remat_on"]["loss"] and "truncated walk" in by["remat_on_truncated"]["loss"]
+    assert "walk" not in by["remat_on_window"]["loss"]
+    for name in WALK_VARIANTS:
+        assert by[name]["planned_graph"] > 0 and by[name]["measured_peak"] > 0 and len(by[name]["losses"]) == 2
+    assert {"memory_on_over_window_on", "time_on_over_truncated"} <= set(result["ratios"])
+    assert {"walk_peak_le_window_on", "walk_peak_le_checkpoint", "walk_time_le_1.5x_truncated",
+            "walk_losses_match_window", "peak_on_le_checkpoint"} <= set(result["targets"])
+
+
+def test_exact_walk_losses_match_window(walk_bench):
+    by = {v["variant"]: v for v in walk_bench["variants"]}
+    for x, y in zip(by["remat_on"]["losses"], by["remat_on_window"]["losses"], strict=True):
+        assert abs(x - y) <= 1e-5 * abs(y)
+    assert walk_bench["loss_equality"]["walk_losses_match_window"] is True
+    assert walk_bench["targets"]["walk_losses_match_window"] is True
+    assert walk_bench["loss_equality"]["on_equals_off_bitwise"] is True  # A and B both run the exact walk
+    # the truncated walk: the same forward on the first step, another gradient after it
+    assert by["remat_on_truncated"]["losses"][0] == by["remat_on"]["losses"][0]
+
+
+def test_walk_markdown_and_summary(walk_bench, tmp_path):
+    from remat.bench import markdown, write_outputs, write_summary
+
+    text = markdown(walk_bench)
+    for name in (*VARIANTS, *WALK_VARIANTS):
+        assert f"`{name}`" in text
+    assert "exact walk" in text and "full" in text and "later losses differ" in text
+    write_outputs(walk_bench, tmp_path / "walk")
+    summary = write_summary(tmp_path).read_text()
+    assert "[walk](walk/bench.md)" in summary and "`remat_on_window`" in summary
+
+
+def test_lora_trains_the_adapter_only():
+    result = run_bench("tiny-llama", ctx=64, steps=2, lora=True, progress=False)
+    assert result["lora"] == 8
+    counts = {v["trainable_parameters"] for v in result["variants"]}
+    assert len(counts) == 1  # every variant trains the same adapter
+    assert 0 < counts.pop() < result["parameters"]
+    by = {v["variant"]: v for v in result["variants"]}
+    assert by["remat_on"]["losses"] == by["remat_off"]["losses"]  # the same adapter init
+    from remat.bench import markdown
+
+    assert "LoRA r8" in markdown(result)
+
+
 def test_steps_below_two_refused():
     from remat.settings import UsageError
 
     with pytest.raises(UsageError, match="at least 2"):
         run_bench("tiny-llama", ctx=16, steps=1, progress=False)
+
+
+def test_cli_lora_flag():
+    from remat.cli import parser
+
+    assert parser().parse_args(["bench"]).lora is False  # the bench's default: full fine-tuning
+    args = parser().parse_args(["bench", "--lora", "--path", "walk", "--walk", "truncated"])
+    assert (args.lora, args.path, args.walk) == (True, "walk", "truncated")

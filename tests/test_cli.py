@@ -439,6 +439,13 @@ def test_plan_human_table(cli, tiny_plans):
         assert rows[cat] == [f"{tiny_plans[k][cat] / MiB:,.1f}" for k in ("off", "on")], (cat, r.out)
 
 
+def test_old_spelling_path_ubatch_is_accepted_and_warned(cli):
+    r = cli("plan", "--model", "tiny-llama", "--ctx", "32", "--full", "--path", "ubatch", "--json")
+    assert r.rc == 0, r
+    assert r.json()["path"] == "window"
+    assert r.err.splitlines() == ["remat: warning: 'ubatch' is now called 'window'"], r  # once, on stderr
+
+
 # --------------------------------------------------------------------------------------------------
 # 8. verify
 
@@ -467,3 +474,25 @@ def test_help_does_not_import_torch():
     r = subprocess.run([sys.executable, "-c", code], check=False, capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip() == "[]", r.stdout
+
+
+def test_plan_per_rank_with_world_size(cli):
+    """`remat plan --world-size 2`: one rank's share of the global batch, its ZeRO share of the optimizer
+    state (whole tensors per rank, so at least half), the parameters and grads whole."""
+    base = ("plan", "--model", "tiny-llama", "--ctx", "32", "--batch", "2", "--full", "--json")
+    one, two = (r.json() for r in cli.many(base, (*base, "--world-size", "2")))
+    assert (one["world_size"], two["world_size"], one["rank_batch"], two["rank_batch"]) == (1, 2, 2, 1)
+    for k in ("off", "on"):
+        a, b = one["plans"][k], two["plans"][k]
+        assert (a["params"], a["grads"]) == (b["params"], b["grads"])
+        assert a["optimizer"] / 2 <= b["optimizer"] < a["optimizer"]
+        assert b["graph"] < a["graph"]  # half the windows per rank
+
+
+def test_plan_names_the_walk(cli):
+    base = ("plan", "--model", "tiny-llama", "--ctx", "64", "--path", "walk", "--ubatch", "16", "--full", "--json")
+    exact, truncated = (r.json() for r in cli.many(base, (*base, "--walk", "truncated")))
+    assert (exact["walk"], truncated["walk"]) == ("exact", "truncated")
+    # the exact walk also holds the cache's gradient buffer: twice the truncated walk's K/V cache (tiny-llama
+    # has attention layers only, no carried state)
+    assert exact["plans"]["on"]["cache"] == 2 * truncated["plans"]["on"]["cache"] > 0

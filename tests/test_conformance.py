@@ -4,8 +4,9 @@ as the model defines it, or is refused before training with a one-line reason na
 Families come from transformers' causal-LM auto mapping (tests/conformance.py builds each as a tiny
 model that keeps its features). For each: (i) remat's loss and grads, recompute off and on, against the
 model's own eager forward + backward (relative difference <= 1e-5, fp32); (ii) recompute on == off
-bitwise; (iii) planned graph peak == measured; (iv) the walk's window loss == the ubatch loss;
-(v) LoRA trains (one step changes the adapter). Each family's checks run once (`conformance.check`).
+bitwise; (iii) planned graph peak == measured; (iv) the exact walk's window loss == the one-graph
+window's, its grads == the model's own (per tensor, `conformance.grads_rel`); (v) LoRA trains (one
+step changes the adapter). Each family's checks run once (`conformance.check`).
 """
 
 from __future__ import annotations
@@ -76,7 +77,8 @@ def test_planned_graph_peak_is_measured(name, known):
 
 @pytest.mark.parametrize("name", FAMILIES)
 def test_walk_loss_is_the_window_loss(name, known):
-    """(iv) the walk (chunks over the cache and carried state) gives the one-graph loss, or is refused."""
+    """(iv) the exact walk (chunks over the cache and carried state, the backward in reverse) gives the
+    one-graph loss and the model's own grads, or is refused."""
     known(name, "walk")
     r = C.check(name)
     _no_errors(r, "walk")
@@ -86,6 +88,7 @@ def test_walk_loss_is_the_window_loss(name, known):
         assert r.refused["walk"].startswith("the walk path does not support") or "ubatch" in r.refused
         return
     assert r.walk_rel is not None and r.walk_rel <= C.TOL, r.walk_rel
+    assert r.walk_grad_rel is not None and r.walk_grad_rel <= C.TOL, r.walk_grad_rel  # the exact walk
 
 
 @pytest.mark.parametrize("name", FAMILIES)

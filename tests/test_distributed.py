@@ -141,6 +141,7 @@ def test_a_killed_rank_stops_the_other_and_its_checkpoint_resumes(runs, tmp_path
         t0 = time.monotonic()
         _, err = procs[0].communicate(timeout=60)
         took = time.monotonic() - t0
+        _, err1 = procs[1].communicate(timeout=60)
     finally:
         for p in procs:
             if p.poll() is None:
@@ -149,6 +150,7 @@ def test_a_killed_rank_stops_the_other_and_its_checkpoint_resumes(runs, tmp_path
     assert procs[0].returncode == 1 and took < 30, (procs[0].returncode, took, err[-2000:])
     errors = err.split("remat: error: ")[1:]  # (the progress bar may write after it: it is closed on the way out)
     assert len(errors) == 1 and errors[0].startswith("rank 0 of 2: another process of the run failed"), err[-2000:]
+    assert "finetune:" in err and "finetune:" not in err1  # the progress bar: rank 0's alone
 
     resumed = subprocess.run(
         [TORCHRUN, "--standalone", "--nproc-per-node", "2", "-m", "remat", "finetune", *args[:-7], "--steps", "4",

@@ -15,6 +15,7 @@ import pytest
 from remat.serve.errors import ApiError
 from remat.serve.jobs import JobManager
 from remat.serve.scheduler import Scheduler
+from remat.settings import Renamed
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -95,7 +96,8 @@ def test_jobs_run_one_at_a_time_in_order(manager):
     assert b_started["created"] >= a_events[-1]["created"]  # b waited for a to finish
     assert b_events[0]["data"]["position"] == 1
     assert [j["id"] for j in manager.list()] == [a["id"], b["id"]]
-    assert manager.get(b["id"])["chunks"] == 4  # walk: two chunks of 16 tokens per step
+    # the exact walk: per step, two chunks of 16 tokens in the forward sweep and two in the reverse one
+    assert manager.get(b["id"])["chunks"] == 8
     assert [x["id"] for x in manager.adapters()] == [0, 1]
 
 
@@ -212,6 +214,8 @@ def test_plan_is_submit_without_the_queue(tmp_path):
         assert set(p) == {"plan", "plans", "policy", "recompute", "recompute_reason", "budget", "steps"}
         assert p["policy"] == "off" and p["budget"] == 64 << 20 and p["plan"] == p["plans"]["off"]
         assert m.list() == []
+        with pytest.warns(Renamed, match="'ubatch' is now called 'window'"):  # the old spelling still plans
+            assert m.plan({**SMALL, "path": "ubatch"}) == p
         assert m.plan({**SMALL, "memory_budget": "1GiB"})["budget"] == 64 << 20  # capped by the server's
         on = p["plans"]["on"]["total"]
         q = m.plan({**SMALL, "memory_budget": on})

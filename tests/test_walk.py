@@ -1,9 +1,11 @@
-"""The walk path (docs/architecture.md, "The walk"): a window trained in chunks over an in-place KV cache and state.
+"""The walk path (docs/architecture.md, "The walk"): a window trained in chunks over a KV cache and carried state.
 
 Each chunk is one traced step whose placeholders are the model's tensors, then the walk's
-states (`walk.new_state`), the chunk's offset, the window's target count and the chunk's ids
-and labels. It returns the chunk's summed cross-entropy over the window's target count and
-the grads, so a window's loss and grads are the sums over its chunks (`train.Window.run`).
+states (`walk.new_state`; the exact walk adds their gradient buffers), the chunk's offset, the
+window's target count and the chunk's ids and labels. It returns the chunk's summed cross-entropy
+over the window's target count and the grads, so a window's loss and grads are the sums over its
+chunks (`train.BatchRunner.run`). The truncated walk's chunks run in order, writing the cache in
+place; the exact walk's run in reverse after a forward sweep, and their grads are the window's.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import functools
 import pytest
 import torch
 
+import conformance
 from remat import alias, walk
 from remat.capture import EagerStridesFakeMode, capture
 from remat.graph import StepInputs, TrainGraph
@@ -41,7 +44,7 @@ def random_window(vocab: int, batch: int, ctx: int, seed: int = 0) -> tuple[torc
 
 def run_window(graph: TrainGraph, model: torch.nn.Module, state: dict[str, torch.Tensor], ids: torch.Tensor,
                labels: torch.Tensor, ubatch: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    """One window through the chunk graph, as `train.Window.run` does: -> (chunk losses, summed grads)."""
+    """One window through the truncated walk's chunk graph: -> (chunk losses, summed grads)."""
     for t in state.values():
         t.zero_()  # a new window starts from an empty cache and zero recurrent state
     n_targets = (labels != -100).sum().to(torch.float32)
@@ -56,7 +59,7 @@ def run_window(graph: TrainGraph, model: torch.nn.Module, state: dict[str, torch
     return losses, grads
 
 
-def ubatch_loss(model: torch.nn.Module, ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+def window_loss(model: torch.nn.Module, ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     tg = capture(model, ids, labels)
     with torch.no_grad():
         return tg(*StepInputs.of(model).args(ids, labels))[0]
@@ -98,7 +101,7 @@ def state_writes(tg: TrainGraph) -> list[tuple[torch.fx.Node, str]]:
     return out
 
 
-# ------------------------------------------------------------------------------------ walk == ubatch
+# ------------------------------------------------------------------------------------ walk == window
 
 
 @pytest.fixture(scope="module")
@@ -109,12 +112,12 @@ def smollm2():
 
 
 @pytest.mark.parametrize("name", [*TINY, "smollm2"])
-def test_walk_forward_loss_equals_ubatch(name, request):
-    """The walk's window loss (sum of chunk losses) equals the one-graph ubatch loss within 1e-5
+def test_walk_forward_loss_equals_the_windows(name, request):
+    """The walk's window loss (sum of chunk losses) equals the one-graph window loss within 1e-5
     relative. Not bitwise: each chunk attends over the full-length cache with a mask (masked
-    keys included in the softmax's reductions) where the ubatch path runs causal SDPA over the
+    keys included in the softmax's reductions) where the window path runs causal SDPA over the
     window, and the loss is a sum of per-chunk sums, each divided by the window's target count,
-    where the ubatch path takes one mean: both change the order of floating-point sums."""
+    where the window path takes one mean: both change the order of floating-point sums."""
     if name == "smollm2":
         model, batch, ubatch = request.getfixturevalue("smollm2"), 1, 32
         tg = walk.capture_chunk(model, batch, CTX, ubatch)
@@ -123,7 +126,7 @@ def test_walk_forward_loss_equals_ubatch(name, request):
     ids, labels = random_window(model.config.vocab_size, batch, CTX, seed=1)
     losses, _ = run_window(tg, model, walk.new_state(model, batch, CTX), ids, labels, ubatch)
     assert len(losses) == CTX // ubatch
-    walked, reference = torch.stack(losses).sum(), ubatch_loss(model, ids, labels)
+    walked, reference = torch.stack(losses).sum(), window_loss(model, ids, labels)
     assert torch.isfinite(reference)
     assert abs(walked.item() - reference.item()) <= 1e-5 * abs(reference.item()), (walked, reference)
     # every chunk contributes: no chunk's loss is the whole window's
@@ -278,7 +281,7 @@ def walk_plans(num_layers: int, ctx: int) -> dict[str, Plan]:
         return plan_settings(TrainSettings(model="tiny-llama", ctx=ctx, path="walk", ubatch=64, lora=False))
     with EagerStridesFakeMode(allow_non_fake_inputs=True):
         model = build_from_config(load_config("tiny-llama", num_layers=num_layers))
-    tg = walk.capture_chunk(model, 1, ctx, 64)
+    tg = walk.capture_chunk(model, 1, ctx, 64, exact=True)  # as plan_settings: the default walk
     return {"off": plan(tg), "on": plan(rewrite(tg))}
 
 
@@ -323,3 +326,122 @@ def test_walk_planned_graph_matches_measured(name, recompute):
         _, measured = measure(tg, args)
     assert planned > 0
     assert abs(measured.graph - planned) <= 0.05 * planned, (planned, measured.graph)
+
+
+# ------------------------------------------------------------------------------------ the exact walk
+
+
+def exact_window(model: torch.nn.Module, tg: TrainGraph, ids: torch.Tensor, labels: torch.Tensor,
+                 ubatch: int) -> tuple[float, list[torch.Tensor]]:
+    """One window through the exact walk, as `train.BatchRunner.run` runs it: -> (loss, summed grads)."""
+    tensors, loss, grads = StepInputs.of(model), 0.0, None
+    chunks = walk.Walk(model, ids.shape[0], ids.shape[1], ubatch, exact=True).chunks(ids, labels, lambda: None)
+    with torch.no_grad():
+        for inputs in chunks:
+            chunk_loss, *g = tg.gm(*tensors.args(*inputs))
+            loss += chunk_loss.item()
+            grads = g if grads is None else [a.add_(b) for a, b in zip(grads, g)]
+    assert grads is not None
+    return loss, grads
+
+
+def family(name: str) -> torch.nn.Module:
+    """A tiny preset, or a family of the conformance matrix (its tiny config keeps the family's features)."""
+    if name.startswith("tiny-"):
+        return load_model(name, seed=0).model
+    model = build_from_config(conformance.tiny_config(name))
+    return model.train()
+
+
+@pytest.mark.parametrize("chunks", [4, 8])
+@pytest.mark.parametrize("name", ["tiny-llama", "mistral", "bamba"])
+def test_exact_walk_gives_the_windows_loss_and_grads(name, chunks):
+    """Attention (tiny-llama), sliding-window attention (mistral, window 4) and Mamba-2 + attention (bamba):
+    the exact walk's loss and every grad equal the one-graph window's within 1e-5 (fp32, per tensor, not
+    bitwise: the chunks sum in another order). The truncated walk, on the same window, is far off."""
+    model = family(name)
+    ids, labels = random_window(model.config.vocab_size, BATCH, CTX, seed=4)
+    tensors = StepInputs.of(model)
+    with torch.no_grad():
+        reference_loss, *reference = capture(model, ids, labels).gm(*tensors.args(ids, labels))
+    ubatch = CTX // chunks
+    loss, grads = exact_window(model, walk.capture_chunk(model, BATCH, CTX, ubatch, exact=True), ids, labels, ubatch)
+    assert abs(loss - reference_loss.item()) <= 1e-5 * reference_loss.item()
+    assert conformance.grads_rel(grads, reference) <= 1e-5
+    truncated = run_window(walk.capture_chunk(model, BATCH, CTX, ubatch), model, walk.new_state(model, BATCH, CTX),
+                           ids, labels, ubatch)
+    assert abs(torch.stack(truncated[0]).sum().item() - reference_loss.item()) <= 1e-5 * reference_loss.item()
+    assert conformance.grads_rel(truncated[1], reference) > 1e-2  # the truncated walk's gradient is another one
+
+
+@pytest.fixture
+def delta_rule_in_fp64(monkeypatch):
+    """qwen3.5's chunked delta rule computes in fp32 whatever the model's dtype: here it keeps fp64."""
+    import inspect
+
+    from transformers.models.qwen3_5 import modeling_qwen3_5 as qwen35
+
+    namespace = dict(vars(qwen35))
+    exec(inspect.getsource(qwen35.torch_chunk_gated_delta_rule).replace("torch.float32", "torch.float64"), namespace)
+    monkeypatch.setattr(qwen35, "torch_chunk_gated_delta_rule", namespace["torch_chunk_gated_delta_rule"])
+
+
+@pytest.mark.parametrize("chunks", [4, 8])
+def test_exact_walk_through_the_delta_rule_is_the_windows(chunks, delta_rule_in_fp64):
+    """Gated delta-net + attention (tiny-qwen35): conv and recurrent state carried, their gradient handed
+    back chunk by chunk. In fp64: in fp32 the decay parameters' grads (A_log, dt_bias) are sums that
+    cancel, and the window path itself is 1.5e-3 from its fp64 value there (the exact walk: 3.3e-4), so
+    fp32 could not tell a wrong walk from rounding. In fp64 the two agree to 1e-7."""
+    model = load_model("tiny-qwen35", seed=0).model.double()
+    ids, labels = random_window(model.config.vocab_size, BATCH, CTX, seed=5)
+    tensors = StepInputs.of(model)
+    with torch.no_grad():
+        reference_loss, *reference = capture(model, ids, labels).gm(*tensors.args(ids, labels))
+    ubatch = CTX // chunks
+    loss, grads = exact_window(model, walk.capture_chunk(model, BATCH, CTX, ubatch, exact=True), ids, labels, ubatch)
+    assert abs(loss - reference_loss.item()) <= 1e-9 * reference_loss.item()
+    assert conformance.grads_rel(grads, reference) <= 1e-6
+
+
+@pytest.mark.parametrize("name", TINY)
+def test_exact_walk_recompute_on_off_bitwise(name):
+    model = load_model(name, seed=0).model
+    ids, labels = random_window(model.config.vocab_size, BATCH, CTX, seed=6)
+    off = walk.capture_chunk(model, BATCH, CTX, UBATCH, exact=True)
+    (loss_off, grads_off), (loss_on, grads_on) = (exact_window(model, tg, ids, labels, UBATCH)
+                                                  for tg in (off, rewrite(off)))
+    assert loss_off == loss_on
+    assert all(torch.equal(a, b) for a, b in zip(grads_off, grads_on))
+
+
+@pytest.mark.parametrize("name", TINY)
+def test_exact_walk_plans_its_buffers_and_graph(name):
+    """The plan's cache is the bytes the walk really holds (cache, its gradient buffers, every chunk's start
+    state from the forward sweep), and the chunk graph's planned peak is the measured one."""
+    model = load_model(name, seed=0).model
+    tg = rewrite(walk.capture_chunk(model, BATCH, CTX, UBATCH, exact=True))
+    ids, labels = random_window(model.config.vocab_size, BATCH, CTX, seed=7)
+    w = walk.Walk(model, BATCH, CTX, UBATCH, exact=True)
+    starts = w.forward_sweep(ids, lambda: None)
+    held = [*w.state.values(), *w.grad.values(), *w.grad_start.values(), *(t for s in starts for t in s.values())]
+    assert plan(tg).cache == sum(t.untyped_storage().nbytes() for t in held) > 0
+    assert len(starts) == CTX // UBATCH
+    inputs = next(iter(w.chunks(ids, labels, lambda: None)))
+    with torch.no_grad():
+        _, measured = measure(tg, StepInputs.of(model).args(*inputs))
+    assert measured.graph == plan(tg).graph > 0
+
+
+def test_finetune_says_which_walk_ran():
+    """Both walks train; the receipt names the one that ran; their losses are the window's loss (the first
+    step's, before their gradients part ways) and the later steps differ."""
+    receipts = {kind: finetune(TrainSettings(model="tiny-llama", path="walk", walk=kind, ctx=CTX, ubatch=UBATCH,
+                                             batch=BATCH, steps=2, lora=False), progress=False).as_dict()
+                for kind in ("exact", "truncated")}
+    window = finetune(TrainSettings(model="tiny-llama", ctx=CTX, batch=BATCH, steps=2, lora=False), progress=False)
+    for kind, r in receipts.items():
+        assert r["settings"]["walk"] == kind and r["settings"]["path"] == "walk"
+        assert abs(r["losses"][0] - window.losses[0]) <= 1e-5 * window.losses[0]
+    exact, truncated = receipts["exact"]["losses"], receipts["truncated"]["losses"]
+    assert abs(exact[1] - window.losses[1]) <= 1e-5 * window.losses[1]
+    assert abs(truncated[1] - window.losses[1]) > abs(exact[1] - window.losses[1])

@@ -1,18 +1,22 @@
 """`remat bench`: remat with recompute off and on, PyTorch's own per-layer checkpointing, and plain eager.
 
-Four variants train side by side in one process, on the same data from the same initial
-weights, each with its own copy of the model and its own AdamW:
+The variants train side by side in one process, on the same data from the same initial
+weights (with `--lora`, the same initial adapter), each with its own copy of the model and its
+own AdamW:
 
-- `remat_off`: the traced step (`train.step_graph`), recompute off, run as `train.Window` runs it;
+- `remat_off`: the traced step (`step.build`), recompute off, run as `train.BatchRunner` runs it
+  (on the walk path, the walk of `--walk`: exact by default);
 - `remat_on`: the same, recompute on;
 - `torch_checkpoint`: the Hugging Face model trained eagerly with its per-decoder-layer
   `torch.utils.checkpoint` (non-reentrant), unchunked loss, `loss.backward()`;
-- `eager`: the same without checkpointing.
+- `eager`: the same without checkpointing;
+- on the walk path only, two more, recompute on: `remat_on_truncated` (the truncated walk, same
+  chunks: earlier chunks' K/V are constants) and `remat_on_window` (the window path, same ctx).
 
-Steps are interleaved (A B C D, A B C D, ...) so that drift of the machine hits all four
-alike. The first step of each variant is the warm-up (for remat it also traces) and is
+Steps are interleaved (A B C D [E F], A B C D [E F], ...) so that drift of the machine hits all
+variants alike. The first step of each variant is the warm-up (for remat it also traces) and is
 left out of the step time; it is also the step whose memory is measured, the same way for
-all four: every byte the allocator hands out or takes back while forward and backward run
+all: every byte the allocator hands out or takes back while forward and backward run
 (the grads included), as a running sum from the start of the step, and its peak.
 On CPU that is the profiler's allocation events, on CUDA `max_memory_allocated`.
 """
@@ -36,7 +40,7 @@ from typing import Any, TypeVar
 import torch
 from torch import nn
 
-from remat import models, step
+from remat import adapters, models, step
 from remat.graph import StepInputs
 from remat.hf import causal_lm_loss
 from remat.plan import plan
@@ -44,9 +48,18 @@ from remat.settings import MiB, TrainSettings, UsageError
 from remat.train import BatchRunner, Hooks
 
 VARIANTS = ("remat_off", "remat_on", "torch_checkpoint", "eager")
-LABELS = {"remat_off": "A", "remat_on": "B", "torch_checkpoint": "C", "eager": "D"}
+WALK_VARIANTS = ("remat_on_truncated", "remat_on_window")  # the walk path's two more
+LABELS = {"remat_off": "A", "remat_on": "B", "torch_checkpoint": "C", "eager": "D", "remat_on_truncated": "E",
+          "remat_on_window": "F"}
 TIME_TARGET_SLACK = 1.05  # B/A step time at most 5% above C/D's
 TIME_TARGET_CPU = 1.35  # and at most 1.35 on CPU
+WALK_TIME_TARGET = 1.5  # the exact walk's step time at most 1.5 times the truncated walk's
+WALK_LOSS_RTOL = 1e-5  # the exact walk's losses vs the window's, relative, per step
+
+
+def variant_names(path: str) -> tuple[str, ...]:
+    """The variants a bench on this path runs, in their interleaved order."""
+    return VARIANTS + WALK_VARIANTS if path == "walk" else VARIANTS
 
 T = TypeVar("T")
 
@@ -109,6 +122,7 @@ class Variant:
         timed = self.seconds[1:]  # the first step is the warm-up
         return {
             "variant": self.name,
+            "trainable_parameters": sum(p.numel() for p in self.params),
             "planned_graph": self.planned_graph,
             "planned_cache": self.planned_cache,
             "measured_peak": self.measured_peak,
@@ -145,7 +159,7 @@ def _remat_variant(name: str, model: nn.Module, s: TrainSettings, recompute: boo
 
     note = f"remat, loss in chunks of {s.loss_chunk}" if s.loss_chunk else "remat, unchunked loss"
     if s.path == "walk":
-        note += f", walk in chunks of {s.ubatch}"
+        note += f", {s.walk} walk in chunks of {s.ubatch}"
     v = Variant(name, model, train_step, setup, params, note)
     return v
 
@@ -193,13 +207,19 @@ def _max_abs_diff(a: list[float], b: list[float]) -> float:
 
 def run_bench(model: str | None, ctx: int, batch: int = 1, steps: int = 3, path: str = "window",
               ubatch: int = 256, loss_chunk: int = TrainSettings.model_fields["loss_chunk"].default,
-              out: str | Path | None = None, lr: float = 1e-4, *, seed: int = 0, progress: bool = True) -> dict:
-    """Train the four variants side by side for `steps` steps; write bench.json/.md/.png into `out`."""
+              out: str | Path | None = None, lr: float = 1e-4, *, walk: str = "exact", lora: bool = False,
+              seed: int = 0, progress: bool = True) -> dict:
+    """Train the variants side by side for `steps` steps; write bench.json/.md/.png into `out`.
+
+    `lora`: every variant trains the same LoRA adapter (remat's defaults, r 8) from the same init; else
+    full fine-tuning."""
     if steps < 2:
         raise UsageError(f"--steps must be at least 2 (the first step is the warm-up), got {steps}")
     s = TrainSettings(model=model, ctx=ctx, batch=batch, steps=steps, lr=lr, seed=seed, loss_chunk=loss_chunk,
-                      path=path, ubatch=ubatch)
+                      path=path, ubatch=ubatch, walk=walk, lora=lora)
     path = s.path  # the current spelling
+    names = variant_names(path)
+    lora_settings = adapters.LoraSettings() if lora else None
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
     def say(text: str) -> None:
@@ -210,19 +230,29 @@ def run_bench(model: str | None, ctx: int, batch: int = 1, steps: int = 3, path:
     if ctx > loaded.max_ctx:
         raise UsageError(f"--ctx {ctx} is above the model's maximum context {loaded.max_ctx}")
     base: nn.Module = loaded.model.to(device)  # type: ignore[arg-type]  # transformers types .to oddly
-    copies = [base] + [copy.deepcopy(base) for _ in VARIANTS[1:]]  # the same initial weights, before any use
+    copies = [base] + [copy.deepcopy(base) for _ in names[1:]]  # the same initial weights, before any use
+    if lora_settings is not None:  # the same seed: every variant starts from the same adapter
+        copies = [adapters.apply_lora(m, lora_settings, seed=seed) for m in copies]
     variants = [
         _remat_variant("remat_off", copies[0], s, False),
         _remat_variant("remat_on", copies[1], s, True),
         _eager_variant("torch_checkpoint", copies[2], True),
         _eager_variant("eager", copies[3], False),
     ]
+    if path == "walk":
+        variants += [
+            _remat_variant("remat_on_truncated", copies[4], s.model_copy(update={"walk": "truncated"}), True),
+            _remat_variant("remat_on_window", copies[5], s.model_copy(update={"path": "window"}), True),
+        ]
+    assert [v.name for v in variants] == list(names)
     for v in variants:
         v.optimizer = torch.optim.AdamW(v.params, lr=lr, weight_decay=0.0)
     vocab = loaded.model.config.vocab_size
     data = [tuple(t.to(device) for t in b) for b in random_batches(vocab, batch, ctx, steps, seed)]
 
-    say(f"{loaded.name}, ctx {ctx}, batch {batch}, path {path}, {steps} steps on {device.type}")
+    say(f"{loaded.name}, ctx {ctx}, batch {batch}, path {path}"
+        + (f" ({s.walk} walk)" if path == "walk" else "")
+        + f", {'LoRA r' + str(lora_settings.r) if lora_settings else 'full'}, {steps} steps on {device.type}")
     # Off CPU, tensors a step makes without a device (traced example inputs, walk offsets) must land on
     # the device; on CPU the device context is left out, as it costs a Python call on every op.
     with contextlib.nullcontext() if device.type == "cpu" else torch.device(device):
@@ -240,7 +270,7 @@ def run_bench(model: str | None, ctx: int, batch: int = 1, steps: int = 3, path:
                 _sync(device)
                 v.seconds.append(time.perf_counter() - t0)
                 v.losses.append(loss)
-                say(f"step {i + 1}/{steps} {v.name:<16} loss {loss:.6f}  {v.seconds[-1]:.2f} s"
+                say(f"step {i + 1}/{steps} {v.name:<18} loss {loss:.6f}  {v.seconds[-1]:.2f} s"
                     + ("  (warm-up)" if i == 0 else ""))
 
     results = [v.result() for v in variants]
@@ -250,6 +280,9 @@ def run_bench(model: str | None, ctx: int, batch: int = 1, steps: int = 3, path:
         "batch": batch,
         "path": path,
         "ubatch": ubatch if path == "walk" else None,
+        "walk": s.walk if path == "walk" else None,
+        "lora": lora_settings.r if lora_settings else None,  # the adapter's rank; None: full fine-tuning
+        "parameters": sum(p.numel() for p in base.parameters()),
         "loss_chunk": loss_chunk,
         "steps": steps,
         "lr": lr,
@@ -265,9 +298,14 @@ def run_bench(model: str | None, ctx: int, batch: int = 1, steps: int = 3, path:
     return result
 
 
+def _max_rel_diff(a: list[float], b: list[float]) -> float:
+    return max((abs(x - y) / max(abs(y), 1e-30) for x, y in zip(a, b)), default=0.0)
+
+
 def summarize(result: dict, device_type: str = "cpu") -> dict:
-    """Ratios, loss equality and the targets, from the four variants' results."""
-    a, b, c, d = (next(v for v in result["variants"] if v["variant"] == n) for n in VARIANTS)
+    """Ratios, loss equality and the targets, from the variants' results."""
+    by = {v["variant"]: v for v in result["variants"]}
+    a, b, c, d = (by[n] for n in VARIANTS)
     ratios = {
         "memory_on_over_off": _ratio(b["measured_peak"], a["measured_peak"]),
         "memory_checkpoint_over_eager": _ratio(c["measured_peak"], d["measured_peak"]),
@@ -294,6 +332,22 @@ def summarize(result: dict, device_type: str = "cpu") -> dict:
     }
     if device_type == "cpu":
         targets["time_ratio_le_1.35"] = t_on is not None and t_on <= TIME_TARGET_CPU
+    if all(n in by for n in WALK_VARIANTS):  # the walk path: B walks, E the truncated walk, F the window
+        e, f = by["remat_on_truncated"], by["remat_on_window"]
+        ratios["memory_on_over_window_on"] = _ratio(b["measured_peak"], f["measured_peak"])
+        ratios["time_on_over_truncated"] = _ratio(b["step_seconds"], e["step_seconds"])
+        t_walk = ratios["time_on_over_truncated"]
+        rel = _max_rel_diff(b["losses"], f["losses"])
+        losses["walk_vs_window_max_rel_diff"] = rel
+        losses["truncated_vs_window_max_rel_diff"] = _max_rel_diff(e["losses"], f["losses"])
+        match = len(b["losses"]) == len(f["losses"]) and rel <= WALK_LOSS_RTOL
+        losses["walk_losses_match_window"] = match
+        targets |= {
+            "walk_peak_le_window_on": b["measured_peak"] <= f["measured_peak"],
+            "walk_peak_le_checkpoint": b["measured_peak"] <= c["measured_peak"],
+            "walk_time_le_1.5x_truncated": t_walk is not None and t_walk <= WALK_TIME_TARGET,
+            "walk_losses_match_window": match,
+        }
     return {"ratios": ratios, "loss_equality": losses, "targets": targets}
 
 
@@ -312,15 +366,25 @@ def _secs(t: float | None) -> str:
     return "–" if t is None else f"{t:.3f}"
 
 
+def _training(result: dict) -> str:
+    """"LoRA r8" or "full" (results from before `--lora` were full fine-tuning)."""
+    return f"LoRA r{result['lora']}" if result.get("lora") else "full"
+
+
+def _walk_label(result: dict) -> str:
+    return f"{result['walk']} walk" if result.get("walk") else "walk"
+
+
 def title(result: dict) -> str:
-    walk = f", walk in chunks of {result['ubatch']}" if result["path"] == "walk" else ""
+    walk = f", {_walk_label(result)} in chunks of {result['ubatch']}" if result["path"] == "walk" else ""
     return (f"{result['model']}, ctx {result['ctx']}, batch {result['batch']}, path {result['path']}{walk}, "
-            f"{result['device']}")
+            f"{_training(result)}, {result['device']}")
 
 
 def markdown(result: dict) -> str:
     r, le, tg = result["ratios"], result["loss_equality"], result["targets"]
     by = {v["variant"]: v for v in result["variants"]}
+    on_walk = all(n in by for n in WALK_VARIANTS)
     versus = {"remat_on": ("vs remat_off", r["memory_on_over_off"], r["time_on_over_off"]),
               "torch_checkpoint": ("vs eager", r["memory_checkpoint_over_eager"], r["time_checkpoint_over_eager"])}
     lines = [
@@ -333,8 +397,8 @@ def markdown(result: dict) -> str:
         "| memory ratio | time ratio |"),
         "|---|---|---:|---:|---:|---:|---|---|",
     ]
-    for name in VARIANTS:
-        v = by[name]
+    for v in result["variants"]:
+        name = v["variant"]
         against, mem, t = versus.get(name, ("", None, None))
         lines.append(f"| {LABELS[name]} `{name}` | {v['loss']} | {_mib(v['planned_graph'])} "
                      f"| {_mib(v['measured_peak'])} | {_mib(v['measured_graph'])} | {_secs(v['step_seconds'])} "
@@ -342,25 +406,50 @@ def markdown(result: dict) -> str:
                      f"| {_x(t) + ' ' + against if t is not None else '–'} |")
     verdict = "bitwise equal" if le["on_equals_off_bitwise"] else \
         f"NOT bitwise equal (max abs diff {le['on_vs_off_max_abs_diff']:.3g})"
+    if result["path"] != "walk":
+        why = "chunked vs unchunked loss"
+    elif result.get("walk") == "truncated":
+        why = "the truncated walk's gradient treats earlier chunks' K/V as constants"
+    else:
+        why = "the exact walk: chunked loss and attention, the window's gradient"
     lines += [
         "",
         (f"remat_on vs torch_checkpoint: memory {_x(r['memory_on_over_checkpoint'])}, "
         f"time {_x(r['time_on_over_checkpoint'])}."),
+    ]
+    if on_walk:
+        lines += [
+            "",
+            (f"remat_on ({_walk_label(result)}) vs remat_on_window: memory {_x(r['memory_on_over_window_on'])}; "
+             f"vs remat_on_truncated: time {_x(r['time_on_over_truncated'])}."),
+        ]
+    lines += [
         "",
         (f"Losses: remat_on vs remat_off {verdict} over {len(by['remat_on']['losses'])} steps; "
         f"torch_checkpoint vs eager max abs diff {le['checkpoint_vs_eager_max_abs_diff']:.3g} "
-        f"(remat_off vs eager {le['off_vs_eager_max_abs_diff']:.3g}: "
-        + ("the walk's gradient treats earlier chunks' K/V as constants)." if result["path"] == "walk"
-           else "chunked vs unchunked loss).")),
+        f"(remat_off vs eager {le['off_vs_eager_max_abs_diff']:.3g}: {why})."),
+    ]
+    if on_walk:
+        match = "within" if le["walk_losses_match_window"] else "NOT within"
+        lines += [
+            "",
+            (f"Walk vs window: remat_on ({_walk_label(result)}) vs remat_on_window max relative diff "
+             f"{le['walk_vs_window_max_rel_diff']:.3g} per step, {match} {WALK_LOSS_RTOL:g}. The truncated walk's "
+             f"first loss is the window's (the same forward), its later losses differ (max relative diff "
+             f"{le['truncated_vs_window_max_rel_diff']:.3g}): its gradient is another one (earlier chunks' K/V "
+             "are constants for a chunk's backward)."),
+        ]
+    lines += [
         "",
         "Targets: " + ", ".join(f"{k} {'met' if ok else 'NOT met'}" for k, ok in tg.items()) + ".",
         "",
         "Measured peak: bytes allocated above the step's start while forward and backward run (grads "
-        "included, optimizer not), the same way for all four "
+        "included, optimizer not), the same way for all variants "
         + ("(profiler allocation events)" if result["device"] == "cpu" else "(`torch.cuda.max_memory_allocated`)")
         + "; planned graph: remat's plan of the graph alone (no grads)"
-        + ("; on the walk path the measured peak includes the KV cache, and the grads summed over chunks "
-           "next to the current chunk's." if result["path"] == "walk" else ".")
+        + ("; on the walk path the measured peak includes the KV cache (the exact walk's also its gradient "
+           "buffers and the chunks' start states), and the grads summed over chunks next to the current "
+           "chunk's." if result["path"] == "walk" else ".")
         + " C and D run the whole window eagerly with the unchunked loss, as Hugging Face users get it "
         "(the attention is the same SDPA kernel remat traces).",
     ]
@@ -377,7 +466,7 @@ def plot(result: dict, dest: Path) -> bool:
     import matplotlib.pyplot as plt
 
     colors = {"remat_off": "tab:blue", "remat_on": "tab:green", "torch_checkpoint": "tab:orange",
-              "eager": "tab:red"}
+              "eager": "tab:red", "remat_on_truncated": "tab:purple", "remat_on_window": "tab:brown"}
     fig, ax = plt.subplots(figsize=(7, 4.8), dpi=120)
     for v in result["variants"]:
         x, y = v["step_seconds"], v["measured_peak"] / MiB
@@ -415,13 +504,22 @@ def write_outputs(result: dict, out: Path) -> list[str]:
 def write_summary(results_dir: str | Path) -> Path:
     """One table over every `*/bench.json` under `results_dir`, written to `results_dir/README.md`."""
     root = Path(results_dir)
-    rows = []
+    rows, walks = [], []
     for f in sorted(root.glob("*/bench.json")):
         r = json.loads(f.read_text())
         by = {v["variant"]: v for v in r["variants"]}
         ra, le, tg = r["ratios"], r["loss_equality"], r["targets"]
         setting = f"{r['model']} ctx {r['ctx']} b{r['batch']} {r['path']}" + \
-            (f" {r['ubatch']}" if r["path"] == "walk" else "")
+            (f" {r['ubatch']}" + (f" {r['walk']}" if r.get("walk") else "") if r["path"] == "walk" else "") + \
+            f" {_training(r)}"
+        if all(n in by for n in WALK_VARIANTS):
+            e, w = by["remat_on_truncated"], by["remat_on_window"]
+            walks.append(
+                f"- [{f.parent.name}]({f.parent.name}/bench.md): E `remat_on_truncated` {_mib(e['measured_peak'])} "
+                f"MiB, {_secs(e['step_seconds'])} s; F `remat_on_window` {_mib(w['measured_peak'])} MiB, "
+                f"{_secs(w['step_seconds'])} s; mem B/F {_x(ra.get('memory_on_over_window_on'))}, "
+                f"time B/E {_x(ra.get('time_on_over_truncated'))}; B's losses match F's within {WALK_LOSS_RTOL:g}: "
+                f"{'yes' if le.get('walk_losses_match_window') else 'NO'}.")
         rows.append(
             f"| [{f.parent.name}]({f.parent.name}/bench.md) | {setting} "
             + "".join(f"| {_mib(by[n]['measured_peak'])} " for n in VARIANTS)
@@ -451,6 +549,14 @@ def write_summary(results_dir: str | Path) -> Path:
         "",
         ("Targets per run: B's peak ≤ C's; B/A time ≤ C/D time × 1.05; B/A time ≤ 1.35 (CPU); "
         "B's losses bitwise equal to A's. Each run's folder has bench.json, bench.md and bench.png."),
+        *(["",
+           ("Walk runs (A and B walk as the run's walk says, exact by default), two more variants, recompute on: "
+            "E = `remat_on_truncated` (the truncated walk, same chunks), F = `remat_on_window` (the window path, "
+            "same ctx). Their targets: B's peak ≤ F's and ≤ C's; B/E time ≤ 1.5; B's losses within "
+            f"{WALK_LOSS_RTOL:g} relative of F's per step (the truncated walk's later losses differ: its gradient "
+            "is another one)."),
+           "",
+           *walks] if walks else []),
     ])
     dest = root / "README.md"
     dest.write_text(text + "\n")
@@ -462,7 +568,7 @@ def write_summary(results_dir: str | Path) -> Path:
 
 def main(args: argparse.Namespace) -> int:
     result = run_bench(args.model, args.ctx, args.batch, args.steps, args.path, args.ubatch, args.loss_chunk,
-                       args.out, args.lr)
+                       args.out, args.lr, walk=args.walk, lora=args.lora)
     print(json.dumps(result) if args.json else markdown(result) + f"\nwritten to {args.out}/")
     return 0
 

@@ -9,7 +9,7 @@ backward starts; it is read off the tracer at that moment, not guessed later.
 from __future__ import annotations
 
 import functools
-from typing import ClassVar
+from typing import ClassVar, NamedTuple
 
 import torch
 from torch import fx, nn
@@ -24,7 +24,6 @@ _traces = {"count": 0}  # traces made in this process: an epoch must not trace m
 
 def trace_count() -> int:
     return _traces["count"]
-
 
 
 def capture(model: nn.Module, input_ids: torch.Tensor, labels: torch.Tensor, *,
@@ -59,12 +58,15 @@ def trace(model: nn.Module, loss_fn, inputs: dict[str, tuple[str, torch.Tensor]]
 
     def step(*args: torch.Tensor):
         state = {f"model.{k}": v for k, v in zip(model_names, args[:n_model])}
-        loss = torch.func.functional_call(_LossModule(model, loss_fn), state, args[n_model:])
+        out = torch.func.functional_call(_LossModule(model, loss_fn), state, args[n_model:])
+        seeded = out if isinstance(out, Seeded) else Seeded(out)
         mode = get_proxy_mode()
         assert mode is not None, "step() runs under make_fx"
         boundary.append(list(mode.tracer.graph.nodes)[-1])
-        grads = torch.autograd.grad(loss, args[:n_train], allow_unused=True, materialize_grads=True)
-        return (loss, *grads)
+        grads = torch.autograd.grad([seeded.loss, *seeded.outputs], [*args[:n_train], *seeded.sinks],
+                                    grad_outputs=[None, *seeded.cotangents], allow_unused=True,
+                                    materialize_grads=True)
+        return (seeded.loss, *grads[:n_train])
 
     example = tensors.args(*(t for _, t in inputs.values()))
     if len({id(t) for t in example}) != len(example):
@@ -77,6 +79,20 @@ def trace(model: nn.Module, loss_fn, inputs: dict[str, tuple[str, torch.Tensor]]
         gm = make_fx(step)(*example)
     _traces["count"] += 1
     return TrainGraph(gm=gm, roles=roles, names=[*model_names, *inputs], boundary=boundary[0], info=info or {})
+
+
+class Seeded(NamedTuple):
+    """A loss whose step's gradient reaches past the loss (the exact walk's chunk, `remat.walk`).
+
+    `outputs` are values the step makes whose gradient arrives from outside it (`cotangents`, added
+    to the loss's); `sinks` are leaves differentiated only so that the backward of what they feed
+    runs (it writes the gradients leaving the step into the step's buffers, in place).
+    """
+
+    loss: torch.Tensor
+    outputs: tuple[torch.Tensor, ...] = ()
+    cotangents: tuple[torch.Tensor, ...] = ()
+    sinks: tuple[torch.Tensor, ...] = ()
 
 
 class EagerStridesFakeMode(FakeTensorMode):

@@ -69,7 +69,7 @@ def settings_from(cls: type[M], args: argparse.Namespace, **extra: object) -> M:
         raise UsageError(describe(e, flags=True)) from None
 
 
-MODEL_OPTIONS = "model ctx batch loss_chunk path ubatch"
+MODEL_OPTIONS = "model ctx batch loss_chunk path ubatch walk"
 LORA_OPTIONS = "lora lora_r lora_alpha lora_dropout lora_targets"
 
 
@@ -116,6 +116,9 @@ def parser() -> argparse.ArgumentParser:
     add_fields(b, TrainSettings, f"{MODEL_OPTIONS} lr out", ctx=512, lr=1e-4, out="remat-bench")
     b.add_argument("--steps", type=_field_type(TrainSettings, "steps"), default=3,
                    help="training steps per variant, the first a warm-up (default 3, at least 2)")
+    b.add_argument("--lora", action="store_true",
+                   help="every variant trains the same LoRA adapter (r 8) from the same init "
+                   "(default: full fine-tuning)")
     b.add_argument("--json", action="store_true", help="print the bench.json object on stdout")
     return p
 
@@ -206,8 +209,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
     if s.ctx > limit:  # a plan answers "would it fit"; training there is refused
         print(f"remat: note: --ctx {s.ctx} is above the model's maximum context {limit}", file=sys.stderr)
     result: dict[str, Any] = {"model": s.model or "default", "ctx": s.ctx, "batch": s.batch, "path": s.path,
-                              "loss_chunk": s.loss_chunk, "lora": s.lora, "world_size": ranks.world_size,
-                              "rank_batch": local.batch}
+                              "walk": s.walk if s.path == "walk" else None, "loss_chunk": s.loss_chunk,
+                              "lora": s.lora, "world_size": ranks.world_size, "rank_batch": local.batch}
     model = step.planning_model(models.load_config(s.model), s)
     shape = step.StepShape.of(local)
     with per_rank(ranks.world_size):  # the optimizer row: the largest rank's ZeRO share

@@ -173,8 +173,8 @@ def model_loss(model: nn.Module, labels: torch.Tensor, loss_chunk: int = 0, n_ta
             out = lm(**forward)
             if i == 0:
                 aux = getattr(out, "aux_loss", None)
-            ce = F.cross_entropy(out.logits.flatten(0, 1).float(), labels[:, once.piece].flatten(), ignore_index=-100,
-                                 reduction="sum" if (step < n or n_targets is not None) else "mean")
+            ce = F.cross_entropy(_at_least_fp32(out.logits.flatten(0, 1)), labels[:, once.piece].flatten(),
+                                 ignore_index=-100, reduction="sum" if (step < n or n_targets is not None) else "mean")
             total = total + ce
     finally:
         parent._modules[name] = once.decoder
@@ -184,6 +184,11 @@ def model_loss(model: nn.Module, labels: torch.Tensor, loss_chunk: int = 0, n_ta
         total = total + lm.router_aux_loss_coef * aux
     assert isinstance(total, torch.Tensor)  # at least one piece: n >= 1
     return total
+
+
+def _at_least_fp32(logits: torch.Tensor) -> torch.Tensor:
+    """The loss in fp32 for half-precision logits (as transformers' own loss does), in fp64 for an fp64 model."""
+    return logits.to(torch.promote_types(logits.dtype, torch.float32))
 
 
 def mark_layer_outputs(model: nn.Module, prefix: str = LAYER_MARK) -> list:

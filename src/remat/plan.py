@@ -30,7 +30,7 @@ class Plan:
     grads: int
     optimizer: int  # AdamW: two fp32 states per trainable element (per rank: its ZeRO share)
     graph: int  # peak of graph-allocated tensors during forward + backward
-    cache: int = 0  # walk path: KV cache and recurrent state
+    cache: int = 0  # walk path: KV cache and carried states (exact: their gradient buffers, every chunk's start state)
     runtime: int = 0  # the process before the model: interpreter, torch, libraries (measured, not modelled)
 
     @property
@@ -122,7 +122,7 @@ def plan(tg: TrainGraph) -> Plan:
         grads=params,
         optimizer=2 * 4 * max(zero_shards([t.numel() for t in trainable], _WORLD.get())),
         graph=graph_peak(tg),
-        cache=_role_bytes(tg, "state"),
+        cache=_role_bytes(tg, "state") + tg.info.get("saved_states", 0),
     )
 
 

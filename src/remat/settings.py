@@ -133,6 +133,10 @@ class TrainSettings(BaseModel):
     path: Annotated[Literal["window", "walk"], BeforeValidator(lambda v: _renamed(v, "ubatch", "window"))] = Field(
         "window", description="window: one graph per whole window; walk: chunks of --ubatch tokens over a KV cache")
     ubatch: int = Field(256, ge=1, description="walk: tokens per chunk (llama.cpp's n_ubatch)")
+    walk: Literal["exact", "truncated"] = Field(
+        "exact", description="walk: exact gives the whole window's gradient (a forward sweep fills the cache, then "
+        "the chunks' steps run in reverse); truncated treats earlier chunks' cache and state as constants (the "
+        "reference's cost, not the window's gradient)")
     accumulate: int = Field(1, ge=1, description="windows per optimizer step")
     pack: Annotated[bool, Cli(action="store_true")] = Field(
         False, description="concatenate documents into windows (default: one document per window, padded)")

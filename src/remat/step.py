@@ -28,10 +28,12 @@ class StepShape:
     ctx: int
     ubatch: int | None  # walk: tokens per chunk
     loss_chunk: int
+    walk: str | None = None  # walk: "exact" or "truncated"
 
     @classmethod
     def of(cls, s: TrainSettings) -> StepShape:
-        return cls(s.path, s.batch, s.ctx, s.ubatch if s.path == "walk" else None, s.loss_chunk)
+        on_walk = s.path == "walk"
+        return cls(s.path, s.batch, s.ctx, s.ubatch if on_walk else None, s.loss_chunk, s.walk if on_walk else None)
 
 
 def build(model: nn.Module, shape: StepShape, policy: str | bool) -> TrainGraph:
@@ -64,7 +66,8 @@ def policy_name(policy: str | bool) -> str:
 def _trace(model: nn.Module, shape: StepShape) -> TrainGraph:
     if shape.path == "walk":
         assert shape.ubatch is not None
-        return walk.capture_chunk(model, shape.batch, shape.ctx, shape.ubatch, loss_chunk=shape.loss_chunk)
+        return walk.capture_chunk(model, shape.batch, shape.ctx, shape.ubatch, loss_chunk=shape.loss_chunk,
+                                  exact=shape.walk != "truncated")
     ids = torch.zeros(shape.batch, shape.ctx, dtype=torch.long)
     return capture(model, ids, ids.clone(), loss_chunk=shape.loss_chunk)  # two tensors: two inputs
 

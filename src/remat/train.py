@@ -36,21 +36,16 @@ class BatchRunner:
     def __init__(self, model: torch.nn.Module, graph: TrainGraph, s: TrainSettings, hooks: Hooks):
         self.graph, self.s, self.hooks = graph, s, hooks
         self.tensors = StepInputs.of(model)
-        self.state = walk.new_state(model, s.batch, s.ctx) if s.path == "walk" else {}
+        self.walk = walk.Walk(model, s.batch, s.ctx, s.ubatch, s.walk == "exact") if s.path == "walk" else None
         self.measured: Measured | None = None
         self.chunk_seconds: list[float] = []
 
     def run(self, input_ids: torch.Tensor, labels: torch.Tensor) -> tuple[float, list[torch.Tensor]]:
-        s = self.s
-        if s.path == "window":
+        if self.walk is None:
             return self._chunk([input_ids, labels])
-        for t in self.state.values():
-            t.zero_()  # a new window: no recurrent state carried in from the last one
-        n_targets = (labels != -100).sum().to(torch.float32)
         loss, grads = 0.0, list[torch.Tensor]()
-        for start in range(0, s.ctx, s.ubatch):
-            piece = [t[:, start:start + s.ubatch].contiguous() for t in (input_ids, labels)]
-            chunk_loss, chunk_grads = self._chunk([*self.state.values(), torch.tensor(start), n_targets, *piece])
+        for inputs in self.walk.chunks(input_ids, labels, self.hooks.before_chunk):
+            chunk_loss, chunk_grads = self._chunk(inputs)
             loss += chunk_loss
             grads = [a.add_(b) for a, b in zip(grads, chunk_grads)] if grads else chunk_grads
         return loss, grads
