@@ -6,7 +6,8 @@ model that keeps its features). For each: (i) remat's loss and grads, recompute 
 model's own eager forward + backward (relative difference <= 1e-5, fp32); (ii) recompute on == off
 bitwise; (iii) planned graph peak == measured; (iv) the exact walk's window loss == the one-graph
 window's, its grads == the model's own (per tensor, `conformance.grads_rel`); (v) LoRA trains (one
-step changes the adapter). Each family's checks run once (`conformance.check`).
+step changes the adapter, its grads are PEFT's own eager backward's). Each family's checks run once
+(`conformance.check`).
 """
 
 from __future__ import annotations
@@ -93,13 +94,15 @@ def test_walk_loss_is_the_window_loss(name, known):
 
 @pytest.mark.parametrize("name", FAMILIES)
 def test_lora_trains(name, known):
-    """(v) one step with a LoRA adapter on every linear layer PEFT accepts changes the adapter."""
+    """(v) with a LoRA adapter on every linear layer PEFT accepts: the adapter's grads are PEFT's own eager
+    ones, and one step (no weight decay) changes the adapter."""
     known(name, "LoRA")
     r = C.check(name)
     _no_errors(r, "LoRA")
     if "LoRA" in r.refused:
         _refusal_is_one_line(r.refused["LoRA"])
         return
+    assert r.lora_grad_rel is not None and r.lora_grad_rel <= C.TOL, r.lora_grad_rel  # PEFT's own backward
     assert r.lora_changed
 
 

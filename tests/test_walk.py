@@ -44,19 +44,23 @@ def random_window(vocab: int, batch: int, ctx: int, seed: int = 0) -> tuple[torc
 
 def run_window(graph: TrainGraph, model: torch.nn.Module, state: dict[str, torch.Tensor], ids: torch.Tensor,
                labels: torch.Tensor, ubatch: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    """One window through the truncated walk's chunk graph: -> (chunk losses, summed grads)."""
+    """One window through the truncated walk's chunk graph: -> (chunk losses, the window's grads).
+
+    Each chunk adds its grads into the window's sums (the graph's last inputs) and returns those very
+    tensors: one set of grads, never a second beside it."""
     for t in state.values():
         t.zero_()  # a new window starts from an empty cache and zero recurrent state
     n_targets = (labels != -100).sum().to(torch.float32)
     tensors = StepInputs.of(model)
-    losses, grads = [], None
+    sums = [torch.zeros_like(p) for p in tensors.trainable.values()]
+    losses = []
     with torch.no_grad():
         for start in range(0, ids.shape[1], ubatch):
             piece = [t[:, start:start + ubatch].contiguous() for t in (ids, labels)]
-            loss, *g = graph.gm(*tensors.args(*state.values(), torch.tensor(start), n_targets, *piece))
+            loss, *grads = graph.gm(*tensors.args(*state.values(), torch.tensor(start), n_targets, *piece, *sums))
+            assert all(g is s for g, s in zip(grads, sums)) and len(grads) == len(sums)
             losses.append(loss)
-            grads = g if grads is None else [a.add_(b) for a, b in zip(grads, g)]
-    return losses, grads
+    return losses, sums
 
 
 def window_loss(model: torch.nn.Module, ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -320,7 +324,8 @@ def test_walk_planned_graph_matches_measured(name, recompute):
     for t in state.values():
         t.normal_(generator=torch.Generator().manual_seed(2))  # earlier chunks' rows and state
     ids, labels = random_window(model.config.vocab_size, BATCH, UBATCH, seed=3)
-    args = StepInputs.of(model).args(*state.values(), torch.tensor(UBATCH), torch.tensor(100.0), ids, labels)
+    sums = [torch.randn_like(p) for p in StepInputs.of(model).trainable.values()]  # earlier chunks' grads
+    args = StepInputs.of(model).args(*state.values(), torch.tensor(UBATCH), torch.tensor(100.0), ids, labels, *sums)
     planned = plan(tg).graph
     with torch.no_grad():
         _, measured = measure(tg, args)
@@ -334,14 +339,12 @@ def test_walk_planned_graph_matches_measured(name, recompute):
 def exact_window(model: torch.nn.Module, tg: TrainGraph, ids: torch.Tensor, labels: torch.Tensor,
                  ubatch: int) -> tuple[float, list[torch.Tensor]]:
     """One window through the exact walk, as `train.BatchRunner.run` runs it: -> (loss, summed grads)."""
-    tensors, loss, grads = StepInputs.of(model), 0.0, None
+    tensors, loss, grads = StepInputs.of(model), 0.0, []
     chunks = walk.Walk(model, ids.shape[0], ids.shape[1], ubatch, exact=True).chunks(ids, labels, lambda: None)
     with torch.no_grad():
         for inputs in chunks:
-            chunk_loss, *g = tg.gm(*tensors.args(*inputs))
+            chunk_loss, *grads = tg.gm(*tensors.args(*inputs))  # the window's sums, added into in place
             loss += chunk_loss.item()
-            grads = g if grads is None else [a.add_(b) for a, b in zip(grads, g)]
-    assert grads is not None
     return loss, grads
 
 

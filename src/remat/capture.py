@@ -9,6 +9,7 @@ backward starts; it is read off the tracer at that moment, not guessed later.
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from typing import ClassVar, NamedTuple
 
 import torch
@@ -39,26 +40,33 @@ def capture(model: nn.Module, input_ids: torch.Tensor, labels: torch.Tensor, *,
 
 
 def trace(model: nn.Module, loss_fn, inputs: dict[str, tuple[str, torch.Tensor]], *,
-          info: dict | None = None) -> TrainGraph:
+          info: dict | None = None, accumulate: bool = False) -> TrainGraph:
     """Trace `loss_fn(model, *inputs)` and the grads of the trainable parameters into a TrainGraph.
 
     `inputs` maps a name to (role, example tensor): "input" for batch data, "state" for
     buffers the step reads and writes in place (the walk's caches). Placeholders are the
-    model's trainable, frozen and buffer tensors, then the inputs in order.
+    model's trainable, frozen and buffer tensors, then the inputs in order. With `accumulate`,
+    one more placeholder per trainable (role "grad", after the inputs) is the gradient sum of the
+    steps before (the walk's chunks): the step adds each gradient into it as the backward makes it
+    and returns these sums as its grads, so no second set of grads is ever alive.
     """
     prepare(model)
     tensors = StepInputs.of(model)
     if not tensors.trainable:
         raise ValueError("the model has no trainable parameters")
     model_names = [*tensors.trainable, *tensors.frozen, *tensors.buffers]
+    sum_names = [f"grad.{k}" for k in tensors.trainable] if accumulate else []
     roles = (["trainable"] * len(tensors.trainable) + ["frozen"] * len(tensors.frozen)
-             + ["buffer"] * len(tensors.buffers) + [role for role, _ in inputs.values()])
-    n_train, n_model = len(tensors.trainable), len(model_names)
+             + ["buffer"] * len(tensors.buffers) + [role for role, _ in inputs.values()] + ["grad"] * len(sum_names))
+    n_train, n_model, n_in = len(tensors.trainable), len(model_names), len(inputs)
     boundary: list[fx.Node] = []
 
     def step(*args: torch.Tensor):
+        sums = args[n_model + n_in:]
+        for p, g in zip(args[:n_train], sums):  # each parameter's gradient goes into its sum as soon as it is made
+            p.register_hook(into(g))
         state = {f"model.{k}": v for k, v in zip(model_names, args[:n_model])}
-        out = torch.func.functional_call(_LossModule(model, loss_fn), state, args[n_model:])
+        out = torch.func.functional_call(_LossModule(model, loss_fn), state, args[n_model:n_model + n_in])
         seeded = out if isinstance(out, Seeded) else Seeded(out)
         mode = get_proxy_mode()
         assert mode is not None, "step() runs under make_fx"
@@ -66,7 +74,7 @@ def trace(model: nn.Module, loss_fn, inputs: dict[str, tuple[str, torch.Tensor]]
         grads = torch.autograd.grad([seeded.loss, *seeded.outputs], [*args[:n_train], *seeded.sinks],
                                     grad_outputs=[None, *seeded.cotangents], allow_unused=True,
                                     materialize_grads=True)
-        return (seeded.loss, *grads[:n_train])
+        return (seeded.loss, *(sums or grads[:n_train]))
 
     example = tensors.args(*(t for _, t in inputs.values()))
     if len({id(t) for t in example}) != len(example):
@@ -75,24 +83,42 @@ def trace(model: nn.Module, loss_fn, inputs: dict[str, tuple[str, torch.Tensor]]
     mode = next((t.fake_mode for t in example if isinstance(t, FakeTensor)), None)
     mode = mode or EagerStridesFakeMode(allow_non_fake_inputs=True)
     example = [t if isinstance(t, FakeTensor) else mode.from_tensor(t) for t in example]
+    with mode:
+        example += [torch.zeros_like(t) for t in example[:len(sum_names)]]
     with torch.enable_grad(), mode:
         gm = make_fx(step)(*example)
     _traces["count"] += 1
-    return TrainGraph(gm=gm, roles=roles, names=[*model_names, *inputs], boundary=boundary[0], info=info or {})
+    return TrainGraph(gm=gm, roles=roles, names=[*model_names, *inputs, *sum_names], boundary=boundary[0],
+                      info=info or {})
 
 
 class Seeded(NamedTuple):
     """A loss whose step's gradient reaches past the loss (the exact walk's chunk, `remat.walk`).
 
     `outputs` are values the step makes whose gradient arrives from outside it (`cotangents`, added
-    to the loss's); `sinks` are leaves differentiated only so that the backward of what they feed
-    runs (it writes the gradients leaving the step into the step's buffers, in place).
+    to the loss's); `sinks` are inputs whose gradient leaves the step (through their `into` hooks,
+    into the step's buffers, in place).
     """
 
     loss: torch.Tensor
     outputs: tuple[torch.Tensor, ...] = ()
     cotangents: tuple[torch.Tensor, ...] = ()
     sinks: tuple[torch.Tensor, ...] = ()
+
+
+def into(buffer: torch.Tensor, *, add: bool = True) -> Callable[[torch.Tensor], torch.Tensor]:
+    """A gradient hook: the gradient goes into `buffer` (added, or copied) the moment autograd makes it, and
+    what flows on is a zero that takes no memory (an expanded scalar). Registered on a step's leaves, their
+    gradients leave the step in place, one at a time, instead of all living until the step's end."""
+
+    def hook(grad: torch.Tensor) -> torch.Tensor:
+        if add:
+            buffer.add_(grad)
+        else:
+            buffer.copy_(grad)
+        return grad.new_zeros(()).expand_as(grad)
+
+    return hook
 
 
 class EagerStridesFakeMode(FakeTensorMode):

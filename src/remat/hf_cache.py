@@ -167,60 +167,28 @@ class ExactWalkCache(WalkCache):
 
     It writes nothing: the window's K/V rows are in the cache already (the forward sweep wrote them)
     and the chunk starts from the state recorded for it. This chunk's own K/V rows are put in place
-    out of place, so its queries' gradient reaches them; what the step reads of the cache and of its
-    start state passes through `_GradInto`, whose backward adds the gradient into `grads` (the cache's
-    gradient buffer, per row) or copies it there (the start state's, carried to the chunk before);
-    `made` holds what the chunk adds (its K/V rows, its end state), where later chunks' gradient arrives.
+    out of place, so that its queries' gradient reaches them; `made` holds what the chunk adds (its
+    K/V rows, its end state), where later chunks' gradient arrives.
     """
 
-    def __init__(self, state: dict[str, torch.Tensor], offset: torch.Tensor, chunk: int,
-                 grads: dict[str, torch.Tensor], token: torch.Tensor):
+    def __init__(self, state: dict[str, torch.Tensor], offset: torch.Tensor, chunk: int):
         super().__init__(state, offset, chunk)
-        self.grads, self.token = grads, token
         self.made: dict[str, torch.Tensor] = {}
-        self._read: dict[str, torch.Tensor] = {}
-
-    def read(self, name: str) -> torch.Tensor:
-        if name not in self._read:  # once per tensor: its backward then gets the gradient of every use, summed
-            add = name[:2] in ("k.", "v.")
-            self._read[name] = _GradInto.apply(self.state[name], self.grads[name], self.token, add)
-        return self._read[name]
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
         k, v = f"k.{layer_idx}", f"v.{layer_idx}"
         self.made[k], self.made[v] = key_states, value_states
-        return (self.read(k).index_copy(2, self.positions, key_states),
-                self.read(v).index_copy(2, self.positions, value_states))
-
-    def get_conv_state(self, layer_idx: int, state_idx: int = 0) -> torch.Tensor:
-        return self.read(f"conv.{layer_idx}")
+        return (self.state[k].index_copy(2, self.positions, key_states),
+                self.state[v].index_copy(2, self.positions, value_states))
 
     def get_recurrent_state(self, layer_idx: int, state_idx: int = 0) -> torch.Tensor:
-        return self.read(f"recurrent.{layer_idx}")
+        return self.state[f"recurrent.{layer_idx}"]  # nothing overwrites it in this step
 
     def update_conv_state(self, conv_input: torch.Tensor, layer_idx: int, conv_kernel_size: int, **kwargs):
-        full = torch.cat([self.read(f"conv.{layer_idx}"), conv_input], dim=-1)
+        full = torch.cat([self.state[f"conv.{layer_idx}"], conv_input], dim=-1)
         self.made[f"conv.{layer_idx}"] = full[..., -conv_kernel_size:]
         return full
 
     def update_recurrent_state(self, recurrent: torch.Tensor, layer_idx: int, **kwargs) -> torch.Tensor:
         self.made[f"recurrent.{layer_idx}"] = recurrent
         return recurrent
-
-
-class _GradInto(torch.autograd.Function):
-    """The identity on `x`, differentiable through `token` alone; its backward writes x's gradient into `into`
-    (added or copied) as soon as it is made: a layer's cache gradient never waits for the step's end."""
-
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, into: torch.Tensor, token: torch.Tensor, add: bool) -> torch.Tensor:
-        ctx.into, ctx.add = into, add
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx: Any, *grad: torch.Tensor) -> tuple[None, None, torch.Tensor, None]:
-        if ctx.add:
-            ctx.into.add_(grad[0])
-        else:
-            ctx.into.copy_(grad[0])
-        return None, None, torch.zeros((), device=grad[0].device), None  # the token is a float32 scalar

@@ -45,9 +45,8 @@ class BatchRunner:
             return self._chunk([input_ids, labels])
         loss, grads = 0.0, list[torch.Tensor]()
         for inputs in self.walk.chunks(input_ids, labels, self.hooks.before_chunk):
-            chunk_loss, chunk_grads = self._chunk(inputs)
+            chunk_loss, grads = self._chunk(inputs)  # each chunk adds into the window's sums and returns them
             loss += chunk_loss
-            grads = [a.add_(b) for a, b in zip(grads, chunk_grads)] if grads else chunk_grads
         return loss, grads
 
     def _chunk(self, inputs: list[torch.Tensor]) -> tuple[float, list[torch.Tensor]]:

@@ -28,8 +28,8 @@ from torch import nn
 from torch._subclasses.fake_tensor import DataDependentOutputException
 
 from remat import alias
-from remat.capture import Seeded, trace
-from remat.graph import TrainGraph
+from remat.capture import Seeded, into, trace
+from remat.graph import StepInputs, TrainGraph
 from remat.hf import UnsupportedModel, causal_lm, model_loss, prepare
 from remat.hf_cache import ExactWalkCache, WalkCache, state_shapes
 
@@ -73,25 +73,29 @@ def exact_chunk_loss(model: nn.Module, *inputs: torch.Tensor, names: list[str], 
     grad_start = dict(zip(carried(names), inputs[2 * n:2 * n + m]))
     offset, n_targets, input_ids, labels = inputs[2 * n + m:]
     prepare(model)
-    token = torch.zeros((), requires_grad=True, device=offset.device)
-    sinks = {k: grad[k] for k in names if k.startswith(KV)} | grad_start
-    cache = ExactWalkCache(state, offset, input_ids.shape[1], sinks, token)
+    # the gradient leaving the step: the cache's added into its buffer (rows of earlier chunks), the start
+    # state's copied for the chunk before, each the moment the backward makes it
+    for k in names:
+        state[k].register_hook(into(grad[k]) if k.startswith(KV) else into(grad_start[k], add=False))
+    cache = ExactWalkCache(state, offset, input_ids.shape[1])
     loss = _loss(model, cache, n_targets, input_ids, labels, loss_chunk)
     # later chunks' gradient: at this chunk's own K/V rows of the cache's buffer, and at its end state
     arriving = [grad[k].index_select(2, cache.positions) if k.startswith(KV) else grad[k] for k in cache.made]
-    return Seeded(loss, tuple(cache.made.values()), tuple(arriving), (token,))
+    return Seeded(loss, tuple(cache.made.values()), tuple(arriving), tuple(state.values()))
 
 
 def capture_chunk(model: nn.Module, batch: int, ctx: int, ubatch: int, *, loss_chunk: int = 0,
                   exact: bool = False) -> TrainGraph:
     """Trace one chunk's step: placeholders are the model's tensors, the states (and, exact, their
-    gradient buffers), offset, target count, batch."""
+    gradient buffers), offset, target count, batch, then the window's gradient sums (`capture.trace`'s
+    `accumulate`: the chunk adds its grads into them and returns them)."""
     if ctx % ubatch:
         raise ValueError(f"--ctx {ctx} is not a multiple of --ubatch {ubatch}")
     shapes = state_shapes(model, batch, ctx)
     dtype = next(model.parameters()).dtype
     names = list(shapes)
-    inputs = {name: ("state", torch.zeros(shape, dtype=dtype)) for name, shape in shapes.items()}
+    # exact: the cache and start states are differentiated (their gradient leaves the step into the buffers)
+    inputs = {name: ("state", torch.zeros(shape, dtype=dtype, requires_grad=exact)) for name, shape in shapes.items()}
     if exact:
         inputs |= {f"grad.{k}": ("state", torch.zeros(shapes[k], dtype=dtype)) for k in names}
         inputs |= {f"grad_start.{k}": ("state", torch.zeros(shapes[k], dtype=dtype)) for k in carried(names)}
@@ -107,7 +111,7 @@ def capture_chunk(model: nn.Module, batch: int, ctx: int, ubatch: int, *, loss_c
     info = {"shape": (batch, ubatch), "ctx": ctx, "path": "walk", "walk": "exact" if exact else "truncated",
             "loss_chunk": loss_chunk, "saved_states": starts}
     try:
-        tg = trace(model, loss, inputs, info=info)
+        tg = trace(model, loss, inputs, info=info, accumulate=True)  # one set of grads: the window's sums
     except DataDependentOutputException:
         raise UnsupportedModel(f"the walk path does not support {cast(Any, model).config.model_type}: with a cache its "
                                "positions depend on the data (learned positions read from the cache)") from None
@@ -123,6 +127,7 @@ class Walk:
 
     def __init__(self, model: nn.Module, batch: int, ctx: int, ubatch: int, exact: bool):
         self.model, self.ctx, self.ubatch, self.exact = model, ctx, ubatch, exact
+        self.params = list(StepInputs.of(model).trainable.values())
         self.state = new_state(model, batch, ctx)
         self.carried = carried(list(self.state))
         self.grad = {k: torch.zeros_like(t) for k, t in self.state.items()} if exact else {}
@@ -130,15 +135,19 @@ class Walk:
 
     def chunks(self, input_ids: torch.Tensor, labels: torch.Tensor,
                before_chunk: Callable[[], None]) -> Iterator[list[torch.Tensor]]:
-        """The inputs of each chunk's step (after the walk's states), one step run between two of them."""
+        """The inputs of each chunk's step (after the model's tensors), one step run between two of them.
+
+        The last inputs are the window's gradient sums, new for each window (the caller may still hold
+        the last window's); every chunk's step returns them, the last one the window's grads."""
         for t in (*self.state.values(), *self.grad.values()):
             t.zero_()  # a new window: no cache or state carried in from the last one, no gradient yet
         n_targets = (labels != -100).sum().to(torch.float32)
         starts = range(0, self.ctx, self.ubatch)
+        sums = [torch.zeros_like(p) for p in self.params]
 
         def batch(start: int) -> list[torch.Tensor]:
             return [torch.tensor(start), n_targets,
-                    *(t[:, start:start + self.ubatch].contiguous() for t in (input_ids, labels))]
+                    *(t[:, start:start + self.ubatch].contiguous() for t in (input_ids, labels)), *sums]
 
         if not self.exact:
             for start in starts:
