@@ -348,6 +348,15 @@ def exact_window(model: torch.nn.Module, tg: TrainGraph, ids: torch.Tensor, labe
     return loss, grads
 
 
+def window_and_exact_walk(model: torch.nn.Module, ids: torch.Tensor, labels: torch.Tensor, ubatch: int):
+    """-> ((loss, grads) of the one-graph window, (loss, grads) of the exact walk in chunks of `ubatch`)."""
+    tensors = StepInputs.of(model)
+    with torch.no_grad():
+        reference_loss, *reference = capture(model, ids, labels).gm(*tensors.args(ids, labels))
+    tg = walk.capture_chunk(model, ids.shape[0], ids.shape[1], ubatch, exact=True)
+    return (reference_loss, reference), exact_window(model, tg, ids, labels, ubatch)
+
+
 def family(name: str) -> torch.nn.Module:
     """A tiny preset, or a family of the conformance matrix (its tiny config keeps the family's features)."""
     if name.startswith("tiny-"):
@@ -364,11 +373,8 @@ def test_exact_walk_gives_the_windows_loss_and_grads(name, chunks):
     bitwise: the chunks sum in another order). The truncated walk, on the same window, is far off."""
     model = family(name)
     ids, labels = random_window(model.config.vocab_size, BATCH, CTX, seed=4)
-    tensors = StepInputs.of(model)
-    with torch.no_grad():
-        reference_loss, *reference = capture(model, ids, labels).gm(*tensors.args(ids, labels))
+    (reference_loss, reference), (loss, grads) = window_and_exact_walk(model, ids, labels, CTX // chunks)
     ubatch = CTX // chunks
-    loss, grads = exact_window(model, walk.capture_chunk(model, BATCH, CTX, ubatch, exact=True), ids, labels, ubatch)
     assert abs(loss - reference_loss.item()) <= 1e-5 * reference_loss.item()
     assert conformance.grads_rel(grads, reference) <= 1e-5
     truncated = run_window(walk.capture_chunk(model, BATCH, CTX, ubatch), model, walk.new_state(model, BATCH, CTX),
@@ -397,11 +403,7 @@ def test_exact_walk_through_the_delta_rule_is_the_windows(chunks, delta_rule_in_
     fp32 could not tell a wrong walk from rounding. In fp64 the two agree to 1e-7."""
     model = load_model("tiny-qwen35", seed=0).model.double()
     ids, labels = random_window(model.config.vocab_size, BATCH, CTX, seed=5)
-    tensors = StepInputs.of(model)
-    with torch.no_grad():
-        reference_loss, *reference = capture(model, ids, labels).gm(*tensors.args(ids, labels))
-    ubatch = CTX // chunks
-    loss, grads = exact_window(model, walk.capture_chunk(model, BATCH, CTX, ubatch, exact=True), ids, labels, ubatch)
+    (reference_loss, reference), (loss, grads) = window_and_exact_walk(model, ids, labels, CTX // chunks)
     assert abs(loss - reference_loss.item()) <= 1e-9 * reference_loss.item()
     assert conformance.grads_rel(grads, reference) <= 1e-6
 
