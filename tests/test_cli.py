@@ -496,3 +496,6 @@ def test_plan_names_the_walk(cli):
     # the exact walk also holds the cache's gradient buffer: twice the truncated walk's K/V cache (tiny-llama
     # has attention layers only, no carried state)
     assert exact["plans"]["on"]["cache"] == 2 * truncated["plans"]["on"]["cache"] > 0
+    # the human receipt says which walk ran
+    r = cli("finetune", "--model", "tiny-llama", "--ctx", "64", "--path", "walk", "--ubatch", "16", "--steps", "1")
+    assert r.rc == 0 and "path: walk, exact walk in chunks of 16" in r.out, r

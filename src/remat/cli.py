@@ -182,6 +182,8 @@ def cmd_finetune(args: argparse.Namespace) -> int:
         + f"frozen: {r['frozen_parameters']:,}",
         f"steps: {r['steps']}  losses: {losses}",
         f"recompute: {r['policy']} ({r['recompute_reason']})",
+        *([f"path: walk, {r['settings']['walk']} walk in chunks of {r['settings']['ubatch']}"]
+          if r["settings"]["path"] == "walk" else []),
         *([f"processes: {r['world_size']} (plans per rank; optimizer state per rank, MiB: "
            + " ".join(f"{b / MiB:,.2f}" for b in r["optimizer_state_bytes"]) + ")"] if r["world_size"] > 1 else []),
         table(r["plans"], ran=r["policy"]),
