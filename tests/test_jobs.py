@@ -64,9 +64,9 @@ def test_job_trains_and_publishes_its_adapter(manager, tmp_path):
     job = manager.get(r["id"])
     assert (job["status"], job["reason"], job["name"], job["step"], job["steps"]) == ("succeeded", None, "fox", 3, 3)
     assert len(job["losses"]) == 3 and job["finished"] >= job["created"]
-    ran = dict(job["result"]["plan"])  # the receipt adds the process's own memory (`runtime`) to its total
-    ran["total"] -= ran.pop("runtime")
-    assert {k: v for k, v in job["plan"].items() if k != "runtime"} == ran  # the plan at submit is what ran
+    ran = dict(job["result"]["plan"])  # the receipt adds the process's own memory (`runtime`, `trace`) to its total
+    ran["total"] -= ran.pop("runtime") + ran.pop("trace")
+    assert {k: v for k, v in job["plan"].items() if k not in ("runtime", "trace")} == ran  # the plan at submit ran
     assert job["chunks"] == 3 and 0 < job["window_p50"] <= job["window_p95"]
     assert job["slowdown_ppm"] == 0 and job["measured"]["graph"] > 0
     assert job["settings"]["ctx"] == 32 and job["settings"]["lora"] is True

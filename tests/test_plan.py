@@ -19,6 +19,10 @@ def test_planner_agrees_with_measurement(case, recompute):
     outputs, measured = measure(tg, case.args())
     assert measured.cuda_max_allocated is None  # CPU
     assert abs(planned - measured.graph) <= 0.05 * measured.graph, (planned, measured.graph)
+    # the step's peak with its grads, from the same run's real storages: the total's figure for the step
+    step = plan(tg).step
+    assert step == measured.step, (step, measured.step)
+    assert measured.step >= measured.graph
     loss, grads = case.run(tg)
     assert torch.equal(outputs[0], loss) and all(torch.equal(a, b) for a, b in zip(outputs[1:], grads))
 
@@ -26,8 +30,8 @@ def test_planner_agrees_with_measurement(case, recompute):
 def test_recompute_shrinks_the_graph(case):
     off, on = plan(case.tg), plan(case.rt)
     assert on.graph < off.graph
-    assert {k: v for k, v in on.as_dict().items() if k not in ("graph", "total")} == {
-        k: v for k, v in off.as_dict().items() if k not in ("graph", "total")
+    assert {k: v for k, v in on.as_dict().items() if k not in ("graph", "step", "total")} == {
+        k: v for k, v in off.as_dict().items() if k not in ("graph", "step", "total")
     }
 
 
@@ -86,10 +90,14 @@ def _check_categories(p, trainable, frozen_bytes):
     assert p.params == p.grads == param_bytes > 0
     assert p.optimizer == 2 * 4 * sum(t.numel() for t in trainable)
     assert p.frozen == frozen_bytes
+    assert p.workspace == 3 * max(t.numel() * t.element_size() for t in trainable)
+    assert p.graph <= p.step <= p.graph + p.grads  # the grads are made during the step, not all at its start
     d = p.as_dict()
-    assert d["total"] == p.total == sum(v for k, v in d.items() if k != "total")
-    assert set(d) == {"params", "frozen", "grads", "optimizer", "graph", "cache", "runtime", "total"}
-    assert p.runtime == 0  # a graph's plan; the trainer adds the process's own
+    resident = sum(d[k] for k in ("params", "frozen", "optimizer", "cache", "trace", "runtime"))
+    assert d["total"] == p.total == resident + max(p.step, p.grads + p.workspace)
+    assert set(d) == {"params", "frozen", "grads", "optimizer", "graph", "step", "cache", "workspace", "trace",
+                      "runtime", "total"}
+    assert p.runtime == p.trace == 0  # a graph's plan; the trainer adds the process's own
 
 
 def test_categories(case):
@@ -119,4 +127,5 @@ def test_cache_category_is_the_state_inputs():
     tg = TrainGraph(gm, ["trainable", "state", "input"], ["w", "state", "x"], boundary=list(gm.graph.nodes)[-2])
     p = plan(tg)
     assert (p.params, p.grads, p.optimizer, p.frozen, p.cache) == (64, 64, 128, 0, 60)
-    assert p.total == 64 + 64 + 128 + p.graph + 60
+    assert p.step == p.graph + 64  # this toy step makes no grad: w's counts as held throughout
+    assert p.total == 64 + 128 + 60 + max(p.step, 64 + 3 * 64)

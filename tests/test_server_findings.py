@@ -22,8 +22,9 @@ from test_serve import BAD_INPUTS, CAT, cat_job
 pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning")
 
 # /health answers in a few ms when the loop is free; parsing and validating a 57 MiB body on the loop would
-# hold it for well over a second. 500 ms leaves room for a loaded 2-core machine (109 ms was seen once).
-HEALTH_MS = 500
+# hold it for well over a second, and even in a worker thread one C call over all of it (json.loads,
+# pydantic, freeing the records) held the GIL 25-450 ms. No C call over a body part holds it ~1 ms now.
+HEALTH_MS = 100
 
 
 @pytest.fixture(scope="module")
@@ -167,24 +168,28 @@ def test_lone_surrogates_are_400(server, case):
 
 
 def test_huge_texts_are_refused_before_tokenizing_and_health_answers(server):
-    cases = [("/tokenize", {"content": "word " * 400_000}, 413),  # 2 MB: over 32 characters per token of context
+    cases = [("/tokenize", {"content": "word " * 400_000}, 400),  # 2 MB: over 32 characters per token of context
              ("/tokenize", {"content": "x" * (5 << 20)}, 400),  # over the longest text field
+             ("/detokenize", {"tokens": [7] * 2_000_000}, 400),  # more ids than the longest text has characters
              ("/completion", {"prompt": "a" * 200_000, "n_predict": 1}, 400),
+             ("/completion", {"prompt": "x", "stop": ["y"] * 2_000_000, "lora": [{"id": 99}]}, 400),  # no adapter 99
              ("/v1/chat/completions", {"messages": [{"role": "user", "content": "b" * 200_000}]}, 400)]
     for path, body, status in cases:
+        data = json.dumps(body).encode()  # once: json.dumps of 2M items would hold this process's GIL, not the server's
         t = time.perf_counter()
-        got, out = server.request("POST", path, body)
+        got, out = server.request("POST", path, raw=data)
         assert time.perf_counter() - t < 5, path
         refused(out, status, got)
-        assert health_while(server, lambda p=path, b=body: server.request("POST", p, b)) < HEALTH_MS, path
+        assert health_while(server, lambda p=path, d=data: server.request("POST", p, raw=d)) < HEALTH_MS, path
     got, out = server.request("POST", "/completion", {"prompt": "a" * 3000, "n_predict": 1})
     refused(out, 400, got, "context")
     assert out["error"]["type"] == "exceed_context_size_error"
 
 
 def test_huge_train_body_is_validated_off_the_event_loop(server):
-    """A 57 MiB training job is parsed and validated in a worker thread, in pieces, with the collector paused:
-    /health answers meanwhile (it waited ~600 ms when FastAPI parsed and validated it on the event loop)."""
+    """A 57 MiB training job is parsed, validated and freed in a worker thread, a bounded part per C call,
+    with the collector paused: /health answers meanwhile (it waited ~600 ms when FastAPI parsed and
+    validated it on the event loop, and 60-150 ms with one C call over the whole body in a thread)."""
     turn = [{"role": "user", "content": "What is remat? " * 20},
             {"role": "assistant", "content": "A fine-tuner that recomputes. " * 20}]
     records = [{"messages": turn}] * 60_000 + [{"txt": "no text"}]  # the last one is bad: a 400 once all is read
@@ -211,7 +216,7 @@ def test_bad_inputs_are_4xx_and_health_stays_fast(server):
         def send(m=method, p=path, b=body, status=status):
             got, out = server.request(m, p, raw=b) if isinstance(b, bytes) else server.request(m, p, b)
             assert got == status and set(out) == {"error"}, (m, p, got, out)
-        assert health_while(server, send) < 100, (method, path)
+        assert health_while(server, send) < HEALTH_MS, (method, path)
 
 
 # ---------------------------------------------------------------------------------------------------------

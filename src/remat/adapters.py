@@ -53,6 +53,34 @@ class LoraSettings:
 
 
 # ---------------------------------------------------------------------------------------------------------
+# plan, from shapes: what an adapter will take before PEFT allocates it
+
+
+def linear_shapes(model: nn.Module) -> list[tuple[str, int, int]]:
+    """(name, in, out) of every linear layer: real or fake weights alike, nothing is allocated."""
+    return [(n, m.in_features, m.out_features) for n, m in model.named_modules() if isinstance(m, nn.Linear)]
+
+
+def state_bytes(linears: list[tuple[str, int, int]], s: LoraSettings) -> int:
+    """The adapter's fp32 weights, grads and two AdamW states (16 bytes a parameter), for the layers it
+    targets: those named, or every linear layer but the head."""
+    def targeted(name: str) -> bool:
+        if s.targets is None:
+            return name.rsplit(".", 1)[-1] != "lm_head"
+        return any(name == t or name.endswith("." + t) for t in s.targets)
+
+    return 16 * sum(s.r * (i + o) for name, i, o in linears if targeted(name))
+
+
+def over_budget(need: int, budget: int, s: LoraSettings, rank_option: str) -> str | None:
+    """Why an adapter that needs `need` bytes cannot fit `budget` (None when it can)."""
+    if need <= budget:
+        return None
+    return (f"a LoRA of rank {s.r} needs {need / 2**20:,.1f} MiB for its weights, grads and optimizer states "
+            f"alone, over the budget of {budget / 2**20:,.1f} MiB: lower {rank_option} or target fewer layers")
+
+
+# ---------------------------------------------------------------------------------------------------------
 # apply
 
 

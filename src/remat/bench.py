@@ -43,7 +43,7 @@ from torch import nn
 from remat import adapters, models, step
 from remat.graph import StepInputs
 from remat.hf import causal_lm_loss
-from remat.plan import plan
+from remat.plan import plan, process_peak, reset_process_peak, resident, return_freed_memory
 from remat.settings import MiB, TrainSettings, UsageError
 from remat.train import BatchRunner, Hooks
 
@@ -114,6 +114,7 @@ class Variant:
     planned_cache: int | None = None
     measured_graph: int | None = None
     measured_peak: int | None = None
+    process_peaks: list[int] = field(default_factory=list)  # per timed step: peak RSS above the step's start
     seconds: list[float] = field(default_factory=list)
     losses: list[float] = field(default_factory=list)
     optimizer: torch.optim.Optimizer | None = None
@@ -127,6 +128,7 @@ class Variant:
             "planned_cache": self.planned_cache,
             "measured_peak": self.measured_peak,
             "measured_graph": self.measured_graph,
+            "process_peak": max(self.process_peaks, default=None),
             "step_seconds": statistics.median(timed) if timed else None,
             "step_seconds_all": self.seconds,
             "losses": self.losses,
@@ -134,7 +136,7 @@ class Variant:
         }
 
 
-def _remat_variant(name: str, model: nn.Module, s: TrainSettings, recompute: bool) -> Variant:
+def _remat_variant(name: str, model: nn.Module, s: TrainSettings, recompute: str | bool) -> Variant:
     params = list(StepInputs.of(model).trainable.values())
     state: dict = {}
 
@@ -226,6 +228,7 @@ def run_bench(model: str | None, ctx: int, batch: int = 1, steps: int = 3, path:
         if progress:
             print(f"bench: {text}", file=sys.stderr, flush=True)
 
+    return_freed_memory()  # as the trainer does: the process peaks follow what is live
     loaded = models.load_model(model, seed=seed)
     if ctx > loaded.max_ctx:
         raise UsageError(f"--ctx {ctx} is above the model's maximum context {loaded.max_ctx}")
@@ -262,12 +265,16 @@ def run_bench(model: str | None, ctx: int, batch: int = 1, steps: int = 3, path:
                 if i == 0:  # the warm-up: remat traces here; the step is measured, not timed
                     v.setup()
                     loss, v.measured_peak = peak_during(functools.partial(v.step, input_ids, labels), device)
-                else:
+                else:  # timed, and the process's own peak above its start, optimizer update included
+                    before = resident()
+                    reset_process_peak()
                     loss = v.step(input_ids, labels)
                 assert v.optimizer is not None
                 v.optimizer.step()
                 v.optimizer.zero_grad(set_to_none=True)
                 _sync(device)
+                if i > 0 and "rss" in (peak := process_peak()):
+                    v.process_peaks.append(peak["rss"] - before)
                 v.seconds.append(time.perf_counter() - t0)
                 v.losses.append(loss)
                 say(f"step {i + 1}/{steps} {v.name:<18} loss {loss:.6f}  {v.seconds[-1]:.2f} s"
@@ -392,15 +399,16 @@ def markdown(result: dict) -> str:
         (f"{result['steps']} steps per variant, interleaved; step time is the median wall time after the "
         f"first (warm-up) step; {result['data']}; torch {result['torch']}, {result['threads']} threads."),
         "",
-        ("| variant | loss | planned graph MiB | measured peak MiB | remat measured graph MiB | step s "
-        "| memory ratio | time ratio |"),
-        "|---|---|---:|---:|---:|---:|---|---|",
+        ("| variant | loss | planned graph MiB | measured peak MiB | remat measured graph MiB | process peak MiB "
+         "| step s | memory ratio | time ratio |"),
+        "|---|---|---:|---:|---:|---:|---:|---|---|",
     ]
     for v in result["variants"]:
         name = v["variant"]
         against, mem, t = versus.get(name, ("", None, None))
         lines.append(f"| {LABELS[name]} `{name}` | {v['loss']} | {_mib(v['planned_graph'])} "
-                     f"| {_mib(v['measured_peak'])} | {_mib(v['measured_graph'])} | {_secs(v['step_seconds'])} "
+                     f"| {_mib(v['measured_peak'])} | {_mib(v['measured_graph'])} | {_mib(v.get('process_peak'))} "
+                     f"| {_secs(v['step_seconds'])} "
                      f"| {_x(mem) + ' ' + against if mem is not None else '–'} "
                      f"| {_x(t) + ' ' + against if t is not None else '–'} |")
     verdict = "bitwise equal" if le["on_equals_off_bitwise"] else \
@@ -449,6 +457,8 @@ def markdown(result: dict) -> str:
         + ("; on the walk path the measured peak includes the KV cache (the exact walk's also its gradient "
            "buffers and the chunks' start states) and the window's gradient sums, which every chunk adds into "
            "(one set of grads)." if result["path"] == "walk" else ".")
+        + " Process peak: the process's peak resident set (VmHWM, reset before each timed step) above its "
+        "resident set at the step's start, optimizer update included; the most over the timed steps."
         + " C and D run the whole window eagerly with the unchunked loss, as Hugging Face users get it "
         "(the attention is the same SDPA kernel remat traces).",
     ]
@@ -488,12 +498,14 @@ def plot(result: dict, dest: Path) -> bool:
     return True
 
 
-def write_outputs(result: dict, out: Path) -> list[str]:
+def write_outputs(result: dict, out: Path, render: Callable[[dict], str] | None = None,
+                  draw: Callable[[dict, Path], bool] | None = None) -> list[str]:
+    """bench.json, bench.md (`render`, default this bench's `markdown`) and bench.png (`draw`: `plot`)."""
     out.mkdir(parents=True, exist_ok=True)
     (out / "bench.json").write_text(json.dumps(result, indent=2) + "\n")
-    (out / "bench.md").write_text(markdown(result))
+    (out / "bench.md").write_text((render or markdown)(result))
     written = [str(out / "bench.json"), str(out / "bench.md")]
-    if plot(result, out / "bench.png"):
+    if (draw or plot)(result, out / "bench.png"):
         written.append(str(out / "bench.png"))
     else:
         print("bench: matplotlib is not installed (pip install 'remat[bench]'): no bench.png", file=sys.stderr)
@@ -506,6 +518,8 @@ def write_summary(results_dir: str | Path) -> Path:
     rows, walks = [], []
     for f in sorted(root.glob("*/bench.json")):
         r = json.loads(f.read_text())
+        if r.get("sweep"):  # a Pareto sweep (remat.sweep): its own receipt, not this table's variants
+            continue
         by = {v["variant"]: v for v in r["variants"]}
         ra, le, tg = r["ratios"], r["loss_equality"], r["targets"]
         setting = f"{r['model']} ctx {r['ctx']} b{r['batch']} {r['path']}" + \

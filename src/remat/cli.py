@@ -120,6 +120,9 @@ def parser() -> argparse.ArgumentParser:
                    help="every variant trains the same LoRA adapter (r 8) from the same init "
                    "(default: full fine-tuning)")
     b.add_argument("--json", action="store_true", help="print the bench.json object on stdout")
+    b.add_argument("--sweep", action="store_true",
+                   help="a Pareto sweep instead: every recompute policy, budget mode at several budgets, torch "
+                   "checkpointing and AOTAutograd's activation_memory_budget (--steps rounds, the first a warm-up)")
     return p
 
 
@@ -156,12 +159,15 @@ def emit(args: argparse.Namespace, result: dict, human: str) -> None:
 
 def table(plans: dict, ran: str | None = None) -> str:
     """Plans side by side, in MiB; `ran` marks the one that ran."""
-    cats = ["params", "frozen", "grads", "optimizer", "graph", "cache", "runtime", "total"]
+    cats = ["params", "frozen", "grads", "optimizer", "graph", "step", "cache", "workspace", "trace", "runtime",
+            "total"]
     cols = list(plans)
     heads = [f"recompute {c}" + (" *" if c == ran else "") for c in cols]
     lines = [f"{'MiB':<10}" + "".join(f"{h:>16}" for h in heads)]
     for cat in cats:
         lines.append(f"{cat:<10}" + "".join(f"{plans[c][cat] / MiB:>16,.1f}" for c in cols))
+    lines.append("total: params + frozen + optimizer + cache + trace + runtime + the larger of step (graph and grads) "
+                 "and grads + workspace (the optimizer's update)")
     if {"on", "off"} <= set(plans):
         lines.append(f"graph on/off: {plans['on']['graph'] / plans['off']['graph']:.3f}, "
                      f"total on/off: {plans['on']['total'] / plans['off']['total']:.3f}")
@@ -236,6 +242,10 @@ def cmd_plan(args: argparse.Namespace) -> int:
 def cmd_bench(args: argparse.Namespace) -> int:
     from remat import bench
 
+    if args.sweep:
+        from remat import sweep
+
+        return sweep.main(args)
     return bench.main(args)
 
 

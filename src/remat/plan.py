@@ -5,13 +5,18 @@ storage). A node's output storage is allocated when the node runs and freed afte
 last use of any node that aliases it (views and in-place results share their base's
 storage). `graph` is the peak of those graph-allocated bytes during forward+backward.
 Parameters, inputs and the step's outputs (loss, grads) are counted in their own
-categories, never in `graph`.
+categories, never in `graph`; `step` is the peak of graph bytes and grads together (the grads
+are made during the backward, after the graph's peak when recompute is off).
+
+The total is what the process holds at its peak: the resident categories plus the larger of
+the step (`step`) and the optimizer's update (`grads` + `workspace`), which never overlap.
 """
 
 from __future__ import annotations
 
 import contextlib
 import contextvars
+import ctypes
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 
@@ -31,11 +36,15 @@ class Plan:
     optimizer: int  # AdamW: two fp32 states per trainable element (per rank: its ZeRO share)
     graph: int  # peak of graph-allocated tensors during forward + backward
     cache: int = 0  # walk path: KV cache and carried states (exact: their gradient buffers, every chunk's start state)
+    step: int = 0  # peak of graph-allocated tensors and the grads made by then, together
+    workspace: int = 0  # the optimizer's update: AdamW's temporaries, three of its largest parameter (measured)
+    trace: int = 0  # the traced graphs and their metadata: the process's growth while tracing (measured)
     runtime: int = 0  # the process before the model: interpreter, torch, libraries (measured, not modelled)
 
     @property
     def total(self) -> int:
-        return self.params + self.frozen + self.grads + self.optimizer + self.graph + self.cache + self.runtime
+        resident = self.params + self.frozen + self.optimizer + self.cache + self.trace + self.runtime
+        return resident + max(self.step, self.grads + self.workspace)
 
     def as_dict(self) -> dict[str, int]:
         return {**asdict(self), "total": self.total}
@@ -59,11 +68,15 @@ def _output_nodes(graph: fx.Graph) -> list[fx.Node]:
     return list(out.all_input_nodes)
 
 
-def _lifetimes(tg: TrainGraph) -> tuple[list[fx.Node], dict[StorageWeakRef, tuple[fx.Node, int, int]]]:
-    """Each graph-allocated storage: (the node that made it, bytes, position after which it is freed)."""
+def _lifetimes(tg: TrainGraph, outputs: bool = False
+               ) -> tuple[list[fx.Node], dict[StorageWeakRef, tuple[fx.Node, int, int]]]:
+    """Each graph-allocated storage: (the node that made it, bytes, position after which it is freed).
+    With `outputs`, the step's outputs made by the graph count too, alive from their maker to the end."""
     nodes = list(tg.graph.nodes)
     excluded = {s for n in nodes if n.op == "placeholder" for s in _storages(n)}
-    excluded |= {s for n in _output_nodes(tg.graph) for s in _storages(n)}
+    kept = {s for n in _output_nodes(tg.graph) for s in _storages(n)} - excluded
+    if not outputs:
+        excluded |= kept
     pos = {n: i for i, n in enumerate(nodes)}
     life: dict[StorageWeakRef, tuple[fx.Node, int, int]] = {}
     for n in nodes:
@@ -71,13 +84,14 @@ def _lifetimes(tg: TrainGraph) -> tuple[list[fx.Node], dict[StorageWeakRef, tupl
         for s in _storages(n):
             if s not in excluded:
                 maker, size, end = life.get(s, (n, _nbytes(s, n), 0))
-                life[s] = (maker, size, max(end, dies))
+                life[s] = (maker, size, len(nodes) if s in kept else max(end, dies))
     return nodes, life
 
 
-def live_at_peak(tg: TrainGraph) -> tuple[int, fx.Node | None, list[tuple[fx.Node, int]]]:
-    """The peak of graph-allocated bytes, the node where it is reached, and what is live then."""
-    nodes, life = _lifetimes(tg)
+def live_at_peak(tg: TrainGraph, outputs: bool = False) -> tuple[int, fx.Node | None, list[tuple[fx.Node, int]]]:
+    """The peak of graph-allocated bytes (with `outputs`, and the outputs made so far), the node where it is
+    reached, and what is live then."""
+    nodes, life = _lifetimes(tg, outputs)
     made_at: dict[fx.Node, list[StorageWeakRef]] = {}
     frees_at: dict[int, list[StorageWeakRef]] = {}
     for s, (maker, _, end) in life.items():
@@ -112,10 +126,20 @@ def _role_bytes(tg: TrainGraph, role: str) -> int:
     )
 
 
+def _made_grads(tg: TrainGraph) -> int:
+    """Bytes of the step's grads (its outputs after the loss) that the graph allocates; the rest alias its
+    inputs (a walk's grad sums)."""
+    inputs = {s for n in tg.placeholders() for s in _storages(n)}
+    made = {s: _nbytes(s, n) for n in _output_nodes(tg.graph)[1:] for s in _storages(n) if s not in inputs}
+    return sum(made.values())
+
+
 def plan(tg: TrainGraph) -> Plan:
     """Bytes by category for running `tg` as a training step with AdamW."""
     trainable = [t for n, r in zip(tg.placeholders(), tg.roles) if r == "trainable" for t in tensors_in(n.meta["val"])]
     params = sum(t.numel() * t.element_size() for t in trainable)
+    largest = max((t.numel() * t.element_size() for t in trainable), default=0)
+    grads_before = max(0, params - _made_grads(tg))  # grads held before the step starts (a walk's sums)
     return Plan(
         params=params,
         frozen=_role_bytes(tg, "frozen") + _role_bytes(tg, "buffer"),
@@ -123,6 +147,8 @@ def plan(tg: TrainGraph) -> Plan:
         optimizer=2 * 4 * max(zero_shards([t.numel() for t in trainable], _WORLD.get())),
         graph=graph_peak(tg),
         cache=_role_bytes(tg, "state") + tg.info.get("saved_states", 0),
+        step=live_at_peak(tg, outputs=True)[0] + grads_before,
+        workspace=3 * largest,  # torch's single-tensor AdamW (CPU): sqrt, quotient and sum of one parameter
     )
 
 
@@ -151,10 +177,11 @@ def zero_shards(numels: list[int], world_size: int) -> list[int]:
 @dataclass
 class Measured:
     graph: int  # peak live bytes of graph-allocated storages, observed
+    step: int = 0  # the same with the grads: those the step makes, as it makes them, and those it was given
     cuda_max_allocated: int | None = None
 
     def as_dict(self) -> dict[str, int]:
-        d = {"graph": self.graph}
+        d = {"graph": self.graph, "step": self.step}
         if self.cuda_max_allocated is not None:
             d["cuda_max_allocated"] = self.cuda_max_allocated
         return d
@@ -199,13 +226,21 @@ def measure(tg: TrainGraph, args: list[torch.Tensor]) -> tuple[list, Measured]:
         torch.cuda.reset_peak_memory_stats()
     outputs = interpret(tg.gm, args, on_node=made, on_free=freed)
     outs = {ident[p] for t in tensors_in(outputs) if (p := t.untyped_storage().data_ptr()) in ident}
+    made_grads = sum({p: t.untyped_storage().nbytes() for t in tensors_in(outputs[1:])
+                      if (p := t.untyped_storage().data_ptr()) not in inputs}.values())  # grads may share one
+    held = sum(a.numel() * a.element_size() for a, r in zip(args, tg.roles) if r == "trainable") - made_grads
+    cuda_max = torch.cuda.max_memory_allocated() if cuda else None
+    return outputs, Measured(graph=_peak(events, skip=outs), step=_peak(events) + max(0, held),
+                             cuda_max_allocated=cuda_max)
+
+
+def _peak(events: list[tuple[int, int]], skip: frozenset[int] | set[int] = frozenset()) -> int:
     live = peak = 0
     for i, b in events:
-        if i not in outs:
+        if i not in skip:
             live += b
             peak = max(peak, live)
-    cuda_max = torch.cuda.max_memory_allocated() if cuda else None
-    return outputs, Measured(graph=peak, cuda_max_allocated=cuda_max)
+    return peak
 
 
 # ---------------------------------------------------------------------------------------- the gate
@@ -221,10 +256,29 @@ def available_memory(device: torch.device | str = "cpu") -> int:
     raise OSError("cannot read MemAvailable from /proc/meminfo")
 
 
+def return_freed_memory() -> None:
+    """Have glibc give large freed blocks (1 MiB and up) back to the kernel at once.
+
+    By default glibc raises its mmap threshold as large blocks are freed (up to 32 MiB) and then serves
+    them from its heap, which it cannot shrink past a live block: the process peak grows past what is live
+    (SmolLM2 LoRA at ctx 1024, recompute on: 1,910 MiB against 1,303 with this set). Elsewhere, a no-op."""
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:
+        return
+    libc.mallopt(-3, 1 << 20)  # M_MMAP_THRESHOLD, which also turns the dynamic threshold off
+
+
 def resident() -> int:
     """The process's resident set now (bytes): the `runtime` category, read before the model loads."""
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * (1 << 12)
+
+
+def reset_process_peak() -> None:
+    """Start the kernel's peak resident set (VmHWM) again from the resident set now (Linux)."""
+    with contextlib.suppress(OSError), open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
 
 
 def process_peak() -> dict[str, int]:

@@ -9,8 +9,9 @@ Built-ins, from most memory (fastest) to least:
   off        save everything (no rewrite at all)
   dots       save matrix-product outputs and the layer marks; recompute the cheap ops between them
   layer/on   save one `l_out` mark per decoder layer (the residual stream); recompute the rest
-  every:K    save every K-th layer mark; a segment of K layers is recomputed from its bottom mark
-             (Chen et al.'s sqrt(n) checkpointing falls out of the memoised clones)
+  every:K    save every K-th layer mark; the marks between are recomputed once, as second-level
+             checkpoints, and each layer's internals from the mark below it (Chen et al.'s sqrt(n)
+             checkpointing: `recompute.rewrite`'s regions)
 """
 
 from __future__ import annotations
@@ -54,14 +55,20 @@ class Policy:
         return Policy(f"{self.name}+{other.name}", lambda n: self.saves(n) or other.saves(n))
 
 
+def layer_index(n: fx.Node, prefix: str = LAYER_MARK) -> int | None:
+    """i for the layer mark `{prefix}.{i}`; None for any other node."""
+    name = mark_name(n)
+    if name is None or not name.startswith(prefix + "."):
+        return None
+    return int(name.rsplit(".", 1)[1])
+
+
 def layer_marks(every: int = 1, prefix: str = LAYER_MARK) -> Policy:
     """Save the layer marks `{prefix}.{i}` with (i + 1) % every == 0."""
 
     def saves(n: fx.Node) -> bool:
-        name = mark_name(n)
-        if name is None or not name.startswith(prefix + "."):
-            return False
-        return (int(name.rsplit(".", 1)[1]) + 1) % every == 0
+        i = layer_index(n, prefix)
+        return i is not None and (i + 1) % every == 0
 
     return Policy("layer" if every == 1 else f"every:{every}", saves)
 

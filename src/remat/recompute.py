@@ -8,25 +8,32 @@ Rules (docs/architecture.md, "The rewrite"), all in this file:
    (directly or through views) which an in-place op writes later in the graph: recomputed in
    backward, it would read the advanced value. Then the policy (`remat.policies`) keeps what
    it saves: by default one `l_out` mark per layer.
-3. every saved, non-kept node is replaced, for its backward users, by a memoised clone
-   computed from kept nodes, placed just before its first backward consumer; clones
-   placed before one consumer go in their original forward order.
+3. every saved, non-kept node is replaced, for its backward users, by a clone computed from
+   kept nodes, placed just before its first backward consumer; clones placed before one
+   consumer go in their original forward order. Clones are memoised per region (`regions`: a
+   node's layer, the first layer mark after it; a mark belongs to the layer that reads it): a
+   backward node reads the clones of the latest region it reads, a clone those of its own
+   region. A non-kept layer mark (every:K) is cloned once, for its own region: a second-level
+   checkpoint. So a layer's internals are recomputed transiently to make the mark above them,
+   and again, from the mark below, for their own backward (Chen et al.'s sqrt(n) scheme).
 4. outputs untouched: the same values, bitwise.
 """
 
 from __future__ import annotations
 
+import functools
 from collections import Counter
 from dataclasses import dataclass
 
 import torch
 from torch import fx
+from torch.fx._lazy_graph_module import _LazyGraphModule
 
 from remat import alias
 from remat.capture import fake_values
 from remat.graph import TrainGraph, interpret, tensors_in
 from remat.marks import mark_name
-from remat.policies import Policy, layer_marks
+from remat.policies import Policy, layer_index, layer_marks
 
 CLONE_OF = "remat_clone_of"  # node.meta key: the original a clone recomputes
 LAYER = layer_marks()  # `on`: one mark per layer
@@ -68,47 +75,101 @@ def saved_nodes(tg: TrainGraph) -> list[fx.Node]:
     return [n for n in tg.forward_nodes() if any(u not in fwd for u in n.users)]
 
 
+Key = tuple[fx.Node, int]  # a clone: the forward node it recomputes and the region it is made for
+
+
+def regions(forward: list[fx.Node]) -> dict[fx.Node, int]:
+    """Each forward node's region: the position of the first layer mark after it (a layer's mark belongs to
+    the next layer, which reads it); past the last mark, `len(forward)` (the head and the loss)."""
+    region: dict[fx.Node, int] = {}
+    upcoming = len(forward)
+    for i in reversed(range(len(forward))):
+        region[forward[i]] = upcoming
+        if layer_index(forward[i]) is not None:
+            upcoming = i
+    return region
+
+
 def rewrite(tg: TrainGraph, policy: Policy = LAYER) -> TrainGraph:
-    """A new TrainGraph whose backward reads only kept forward nodes and recompute clones."""
-    kept = keep_reasons(tg, policy)
-    forward = tg.forward_nodes()
-    fwd_index = {n: i for i, n in enumerate(forward)}
-    new = fx.Graph()
-    env: dict[fx.Node, fx.Node] = {}  # original -> its copy in the new graph
-    clones: dict[fx.Node, fx.Node] = {}  # original forward node -> its recompute clone
+    """A new TrainGraph whose backward reads only kept forward nodes and recompute clones (rule 3)."""
+    return Rewriter(tg)(policy)
 
-    for n in forward:
-        env[n] = new.node_copy(n, env.__getitem__)
 
-    def recomputed(n: fx.Node) -> fx.Node:
-        return env[n] if n in kept else clones[n]
+class Rewriter:
+    """Rewrites one traced step, under any policy. A budget search rewrites one step many times, so what the
+    rewrites share is worked out once: the forward order, the regions, and the fake value of each clone
+    (or backward view of one) made again from the very same input values."""
 
-    def needed(n: fx.Node, acc: set[fx.Node]) -> None:
-        # the not-yet-cloned, non-kept forward ancestors of n (n included)
-        stack = [n]
-        while stack:
-            m = stack.pop()
-            if m in kept or m in clones or m in acc:
-                continue
-            acc.add(m)
-            stack.extend(m.all_input_nodes)
+    def __init__(self, tg: TrainGraph):
+        self.tg = tg
+        self.forward = tg.forward_nodes()
+        self.fwd_index = {n: i for i, n in enumerate(self.forward)}
+        self.region = regions(self.forward)
+        self.values: dict[tuple, tuple[list, object]] = {}  # (what, input value ids) -> (inputs, value)
 
-    for n in list(tg.graph.nodes)[len(forward):]:
-        todo: set[fx.Node] = set()
-        for a in n.all_input_nodes:
-            if a in fwd_index:
-                needed(a, todo)
-        for m in sorted(todo, key=fwd_index.__getitem__):
-            clones[m] = new.node_copy(m, recomputed)
-            clones[m].meta[CLONE_OF] = m.name
-        env[n] = new.node_copy(n, lambda a: recomputed(a) if a in fwd_index else env[a])
+    def __call__(self, policy: Policy = LAYER, kept: dict[fx.Node, str] | None = None) -> TrainGraph:
+        """The step rewritten under `policy`; `kept`, when given, is its `keep_reasons`."""
+        new, env, clones = self._copy(keep_reasons(self.tg, policy) if kept is None else kept)
+        new.lint()
+        gm = _LazyGraphModule(self.tg.gm, new)  # its code is made on its first call: a plan never pays for it
+        origin: dict[fx.Node, object] = {c: key for key, c in clones.items()}
+        origin.update((c, n) for n, c in env.items() if c not in origin)
+        self._fake_values(_fresh(new, set(clones.values())), origin)
+        return TrainGraph(gm=gm, roles=self.tg.roles, names=self.tg.names, boundary=env[self.tg.boundary],
+                          info={**self.tg.info, "recompute": policy.name})
 
-    new.lint()
-    gm = fx.GraphModule(tg.gm, new)
-    fake_values(_fresh(new, set(clones.values())))
-    boundary = env[tg.boundary]
-    return TrainGraph(gm=gm, roles=tg.roles, names=tg.names, boundary=boundary,
-                      info={**tg.info, "recompute": policy.name})
+    def _copy(self, kept: dict[fx.Node, str]) -> tuple[fx.Graph, dict[fx.Node, fx.Node], dict[Key, fx.Node]]:
+        """The rewritten graph; each original's copy, and each clone."""
+        fwd_index, region = self.fwd_index, self.region
+        new = fx.Graph()
+        env: dict[fx.Node, fx.Node] = {}  # original -> its copy in the new graph
+        clones: dict[Key, fx.Node] = {}
+
+        for n in self.forward:
+            env[n] = new.node_copy(n, env.__getitem__)
+
+        def made_for(n: fx.Node, r: int) -> Key:
+            # a layer mark's clone is made once, for its own region; any other node's for the region wanting it
+            return (n, region[n]) if layer_index(n) is not None else (n, r)
+
+        def value(a: fx.Node, r: int) -> fx.Node:  # what a clone made for region r reads for forward node a
+            return env[a] if a in kept else clones[made_for(a, r)]
+
+        def read(a: fx.Node, r: int) -> fx.Node:  # what a backward node of region r reads for a
+            return value(a, r) if a in fwd_index else env[a]
+
+        def needed(n: fx.Node, r: int, acc: set[Key]) -> None:
+            # the clones not made yet that region r needs to read n, n's own included
+            stack = [made_for(n, r)]
+            while stack:
+                key = stack.pop()
+                if key[0] in kept or key in clones or key in acc:
+                    continue
+                acc.add(key)
+                stack.extend(made_for(a, key[1]) for a in key[0].all_input_nodes)
+
+        for n in list(self.tg.graph.nodes)[len(self.forward):]:
+            reads = [a for a in n.all_input_nodes if a in fwd_index]
+            r = max((region[a] for a in reads), default=len(self.forward))  # the latest layer the node reads
+            todo: set[Key] = set()
+            for a in reads:
+                needed(a, r, todo)
+            for m, mr in sorted(todo, key=lambda k: (fwd_index[k[0]], k[1])):
+                clones[m, mr] = new.node_copy(m, functools.partial(value, r=mr))
+                clones[m, mr].meta[CLONE_OF] = m.name
+            env[n] = new.node_copy(n, functools.partial(read, r=r))
+        return new, env, clones
+
+    def _fake_values(self, fresh: list[fx.Node], origin: dict[fx.Node, object]) -> None:
+        """`capture.fake_values` for `fresh`, reusing the value an earlier rewrite made from the same inputs:
+        within one graph, `origin` (a clone's key, a backward node's original) names one node."""
+        for n in fresh:
+            inputs = [a.meta["val"] for a in n.all_input_nodes]
+            key = (origin[n], *map(id, inputs))  # the entry holds its inputs: their ids stay theirs
+            if key not in self.values:
+                fake_values([n])
+                self.values[key] = (inputs, n.meta["val"])
+            n.meta["val"] = self.values[key][1]
 
 
 def _fresh(graph: fx.Graph, clones: set[fx.Node]) -> list[fx.Node]:

@@ -6,16 +6,19 @@ their graph and its plans here, so a setting changes the graph the same way ever
 
 from __future__ import annotations
 
+import bisect
+import itertools
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
-from torch import fx, nn
+from torch import nn
 
 from remat import adapters, models, policies, walk
 from remat.capture import EagerStridesFakeMode, capture
 from remat.graph import TrainGraph
 from remat.plan import Plan, mib, plan
-from remat.recompute import rewrite, saved_nodes
+from remat.recompute import Rewriter, keep_reasons, saved_nodes
 from remat.settings import GateRefused, TrainSettings
 
 
@@ -47,13 +50,25 @@ def build(model: nn.Module, shape: StepShape, policy: str | bool) -> TrainGraph:
     cache = _cache(model, shape)
     if name not in cache:
         chosen = policies.parse(name)
-        cache[name] = _trace(model, shape) if chosen is None else rewrite(build(model, shape, "off"), chosen)
+        cache[name] = _trace(model, shape) if chosen is None else _rewriter(model, shape)(chosen)
     return cache[name]
 
 
+def _key(model: nn.Module, shape: StepShape) -> tuple:
+    return shape, tuple(n for n, p in model.named_parameters() if p.requires_grad)
+
+
 def _cache(model: nn.Module, shape: StepShape) -> dict[str, TrainGraph]:
-    trainable = tuple(n for n, p in model.named_parameters() if p.requires_grad)
-    return model.__dict__.setdefault("_remat_graphs", {}).setdefault((shape, trainable), {})
+    return model.__dict__.setdefault("_remat_graphs", {}).setdefault(_key(model, shape), {})
+
+
+def _rewriter(model: nn.Module, shape: StepShape) -> Rewriter:
+    """The rewriter of the traced step: every policy's rewrite, and each probe of a budget search, shares it."""
+    rewriters = model.__dict__.setdefault("_remat_rewriters", {})
+    key = _key(model, shape)
+    if key not in rewriters:
+        rewriters[key] = Rewriter(build(model, shape, "off"))
+    return rewriters[key]
 
 
 def policy_name(policy: str | bool) -> str:
@@ -77,10 +92,11 @@ def plans(model: nn.Module, shape: StepShape, which: tuple[str, ...] = ("off", "
     return {k: plan(build(model, shape, k)) for k in which}
 
 
-# From most memory (fastest) to least; each saves a subset of what the one before it saves. every:K is not
-# on it: with memoised clones a segment's recompute keeps all K layers' intermediates alive, so it plans
-# above "on" (tiny-llama, 16 layers, ctx 256: graph 2.3 MB on, 2.9 every:2, 4.8 every:4, 9.2 every:8).
-LADDER = ("off", "dots", "on")
+# From most memory (fastest) to least; each saves a subset of what the one before it saves. every:K recomputes
+# the marks between its kept ones as second-level checkpoints, and each layer from the mark below (Chen et al.),
+# so it plans below "on" up to K near sqrt(layers): graph, tiny-llama, 16 layers, batch 1, ctx 256: 2.3 MB on,
+# 1.8 every:2, 1.7 every:4 (2.0 every:8); SmolLM2 ctx 2048 full fine-tuning: 473 MiB on, 406 every:2, 380 every:4.
+LADDER = ("off", "dots", "on", "every:2", "every:4")
 
 
 @dataclass
@@ -100,8 +116,9 @@ def choose(model: nn.Module, shape: StepShape, recompute: str, budget: int) -> C
     """The gate: the fastest plan that fits `budget` among those `recompute` allows, or GateRefused.
 
     A named policy is taken as it is. "auto" tries no recompute first; "budget" starts with the
-    built-ins from the fastest down, takes the first that fits, then saves back the values most
-    expensive to recompute per byte (FLOPs, `policies.recompute_cost`) while the plan still fits.
+    built-ins from the fastest down (`LADDER`, without off), takes the first that fits, then saves back
+    what the next faster one saves (for dots: off, everything), the values most expensive to recompute
+    per byte first (FLOPs, `policies.recompute_cost`), while the plan still fits.
     """
     choice = _choose(model, shape, recompute, budget)
     for name in ("off", "on"):  # shown beside the choice: what recompute saves (or costs) on this job
@@ -124,45 +141,82 @@ def _choose(model: nn.Module, shape: StepShape, recompute: str, budget: int) -> 
             break
     else:
         _refuse(model, shape, budget, found)
-    i = ladder.index(name)
-    if i == 0:
+    if name == "off":
         return Choice(name, f"recompute not needed: plan {mib(found[name].total)} fits the budget {mib(budget)}",
                       found)
-    slower = ladder[i - 1]  # the fastest built-in that does not fit
-    over = ", ".join(f"{k} plans {mib(found[k].total)}" for k in ladder[:i])
-    refined = _save_back(model, shape, budget, slower, name) if slower != "off" else None
+    over = [k for k in ladder if k != name and k in found]  # the faster built-ins: none fits
+    faster = LADDER[LADDER.index(name) - 1]  # the next faster one: over the budget, or off (budget mode: untried)
+    refined = _save_back(model, shape, budget, faster, name, found[name])
     if refined is not None:
-        name, found[name] = refined[0], refined[1]
-    return Choice(name, f"{over}: over the budget {mib(budget)}; {name} plans {mib(found[name].total)}", found)
+        name, found[name] = refined
+    if not over:
+        return Choice(name, f"{name} plans {mib(found[name].total)}, within the budget {mib(budget)}", found)
+    figures = ", ".join(f"{k} plans {mib(found[k].total)}" for k in over)
+    return Choice(name, f"{figures}: over the budget {mib(budget)}; {name} plans {mib(found[name].total)}", found)
 
 
-def _save_back(model: nn.Module, shape: StepShape, budget: int, faster: str,
-               fitting: str) -> tuple[str, Plan] | None:
-    """Between two ladder rungs: save the fitting rung's set plus the costliest-per-byte values of the faster
-    one, as many as fit (a binary search over that order: plans grow with what is saved)."""
-    base = build(model, shape, "off")
-    fast, fit = policies.parse(faster), policies.parse(fitting)
-    assert fast is not None and fit is not None
-    extra = [n for n in saved_nodes(base) if fast.saves(n) and not fit.saves(n)]
+def _save_back(model: nn.Module, shape: StepShape, budget: int, faster: str, fitting: str,
+               fitting_plan: Plan) -> tuple[str, Plan] | None:
+    """Between two ladder rungs: save the fitting rung's set plus the values the faster one saves (off: every
+    one the backward reads), the costliest to recompute per byte first, as many as fit."""
+    rewriter = _rewriter(model, shape)
+    fit = policies.parse(fitting)
+    fast = policies.parse(faster) or policies.Policy("off", lambda n: True)
+    assert fit is not None
+    kept = keep_reasons(rewriter.tg, fit)
+    extra = [n for n in saved_nodes(rewriter.tg) if n not in kept and fast.saves(n)]
     extra.sort(key=lambda n: -policies.recompute_cost(n) / max(1, _nbytes(n)))
-    best: tuple[str, Plan] | None = None
-    lo, hi = 1, len(extra)
-    while lo <= hi:
-        k = (lo + hi) // 2
+    graphs: dict[int, tuple[TrainGraph, Plan]] = {}
+
+    def probe(k: int) -> int:
         names = frozenset(n.name for n in extra[:k])
+        chosen = policies.Policy(f"{fitting}+{k}", lambda n: fit.saves(n) or n.name in names)
+        graph = rewriter(chosen, kept | dict.fromkeys(extra[:k], chosen.name))  # what keep_reasons would keep
+        graphs[k] = graph, plan(graph)
+        return graphs[k][1].total
 
-        def saves(n: fx.Node, names: frozenset[str] = names) -> bool:
-            return fit.saves(n) or n.name in names
+    k = _most_that_fit(list(itertools.accumulate(map(_nbytes, extra), initial=0)), probe, budget, fitting_plan.total)
+    if k == 0:
+        return None
+    graph, p = graphs[k]
+    _cache(model, shape)[graph.info["recompute"]] = graph  # so that `build` finds the chosen one
+    return graph.info["recompute"], p
 
-        chosen = policies.Policy(f"{fitting}+{k}", saves)
-        graph = rewrite(base, chosen)
-        p = plan(graph)
-        if p.total <= budget:
-            _cache(model, shape)[chosen.name] = graph  # so that `build` finds the chosen one
-            best, lo = (chosen.name, p), k + 1
+
+def _most_that_fit(saved: list[int], probe: Callable[[int], int], budget: int, start: int) -> int:
+    """The largest k whose plan `probe(k)` fits the budget, plans growing with k; `start`, plan 0, fits.
+
+    `saved[k]` is the bytes the first k values hold. A plan grows by about the same share of each byte saved
+    back (the values live from the forward into their backward), so a probe goes where a line through the
+    plans known meets the budget (`_guess`). Safeguards keep the worst case near a bisection's: until a plan
+    is over the budget, each fitting probe doubles the least step to the next; a guess that leaves over half
+    its bracket is followed by a bisection. A probe is a rewrite: mostly 3 to 5, not log2(len(saved)).
+    """
+    lo, hi = 0, len(saved)  # plan lo fits; hi is past the end, or a k whose plan does not fit
+    totals = {0: start}
+    stride, width = 1, hi
+    while hi - lo > 1:
+        k = _guess(saved, totals, lo, hi, budget)
+        if hi == len(saved):
+            k = min(max(k, lo + stride), hi - 1)
+        elif hi - lo > width // 2:
+            k = (lo + hi) // 2
+        width = hi - lo
+        totals[k] = probe(k)
+        if totals[k] <= budget:
+            lo, stride = k, 2 * stride
         else:
-            hi = k - 1
-    return best
+            hi = k
+    return lo
+
+
+def _guess(saved: list[int], totals: dict[int, int], lo: int, hi: int, budget: int) -> int:
+    """Where the line through two known plans (the bracket's ends; before a probe went over, plan 0 and the
+    largest that fits) meets the budget, kept inside the bracket."""
+    a, b = (lo, hi) if hi in totals else (0, lo)
+    slope = (totals[b] - totals[a]) / (saved[b] - saved[a]) if saved[b] > saved[a] else 1.0
+    reach = saved[lo] + (budget - totals[lo]) / max(slope, 1e-9)
+    return min(max(bisect.bisect_right(saved, reach) - 1, lo + 1), hi - 1)
 
 
 def _nbytes(n) -> int:
@@ -179,7 +233,7 @@ def _refuse(model: nn.Module, shape: StepShape, budget: int, found: dict[str, Pl
     raise GateRefused(
         f"refused: the job needs more than the memory budget {mib(budget)} ({figures}); the smallest plan "
         f"remat can make is {smallest} at {mib(found[smallest].total)}, of which parameters, grads and "
-        f"optimizer take {mib(fixed)}: lower --ctx or --batch, use --recompute on, or raise --memory-budget",
+        f"optimizer take {mib(fixed)}: lower --ctx or --batch, use --recompute {smallest}, or raise --memory-budget",
         {k: p.as_dict() for k, p in found.items()})
 
 

@@ -18,8 +18,17 @@ from tqdm import tqdm
 from remat import adapters, checkpoints, data, distributed, models, step, walk
 from remat.files import staged
 from remat.graph import StepInputs, TrainGraph
-from remat.plan import Measured, available_memory, measure, per_rank, preflight, process_peak, resident
-from remat.settings import TrainSettings, UsageError, percentile
+from remat.plan import (
+    Measured,
+    available_memory,
+    measure,
+    per_rank,
+    preflight,
+    process_peak,
+    resident,
+    return_freed_memory,
+)
+from remat.settings import GateRefused, TrainSettings, UsageError, percentile
 
 
 @dataclass
@@ -105,6 +114,7 @@ def finetune(s: TrainSettings, *, progress: bool = True, hooks: Hooks | None = N
 
 def _finetune(s: TrainSettings, dp: distributed.Ranks, *, progress: bool, hooks: Hooks) -> Receipt:
     local = dp.local(s)  # what one rank traces and runs: its share of the global batch (one process: s)
+    return_freed_memory()  # the process peak then follows what is live, as the plan counts it
     runtime = resident()  # the process before the model: the plans' `runtime`; free memory excludes it
     budget = s.memory_budget or dp.budget(available_memory())  # read before the model takes its share
     out = Path(s.out) if s.out else None
@@ -120,15 +130,25 @@ def _finetune(s: TrainSettings, dp: distributed.Ranks, *, progress: bool, hooks:
     per_epoch, total = s.optimizer_steps(len(windows))
     model: torch.nn.Module = loaded.model
     lora = step.lora_settings(s)
-    if lora is not None:
+    if lora is not None:  # from the base's shapes first: a rank that cannot fit is refused before PEFT allocates it
+        why = adapters.over_budget(adapters.state_bytes(adapters.linear_shapes(model), lora), budget, lora,
+                                   "--lora-r")
+        if why is not None:
+            raise GateRefused(f"refused: {why}")
         model = adapters.apply_lora(model, lora, seed=s.seed)
     dp.seed(s.seed)
 
     shape = step.StepShape.of(local)
+    before = resident()
+    for name in ("off", "on"):  # traced once for every plan (the gate shows both): what they hold stays
+        step.build(model, shape, name)
+    trace = resident() - before
+    if s.memory_budget is None:  # the free memory was read before the trace took its share
+        budget -= trace
     with per_rank(dp.world_size):  # the gate counts one rank's memory: its share of the optimizer state
         choice = step.choose(model, shape, s.recompute, budget)
     for p in choice.plans.values():  # the budget covers what the job allocates; the total, the whole process
-        p.runtime = runtime
+        p.runtime, p.trace = runtime, trace
     graph = step.build(model, shape, choice.policy)
     preflight(graph, next(model.parameters()).device)
     tensors = StepInputs.of(model)

@@ -25,7 +25,7 @@ import anyio.to_thread
 from fastapi import FastAPI
 from starlette.concurrency import run_in_threadpool
 
-from remat.serve import errors, openapi, page
+from remat.serve import errors, openapi, page, schemas
 from remat.serve.middleware import BODY_TIMEOUT, ApiKeyMiddleware, BodyLimitMiddleware
 from remat.serve.routes import ROUTERS
 from remat.serve.state import Server
@@ -65,6 +65,7 @@ def create_app(*, model: str | None = None, parallel: int = SERVE["parallel"], a
     app = openapi.App(title="remat", version=VERSION, lifespan=lifespan,
                       default_response_class=errors.SafeJSONResponse,
                       description="Serve a model and fine-tune it: llama.cpp's and OpenAI's API shapes.")
+    app.state.bodies = _bodies(model, n_ctx)
     app.state.server = Server(model=model, parallel=parallel, max_slowdown_ppm=max_slowdown_ppm,
                               memory_budget=memory_budget, state_dir=Path(state_dir), n_ctx=n_ctx,
                               on_load_error=on_load_error)
@@ -76,6 +77,19 @@ def create_app(*, model: str | None = None, parallel: int = SERVE["parallel"], a
         app.include_router(router)
     openapi.install(app, keys=bool(api_keys))
     return app
+
+
+def _bodies(model: str | None, n_ctx: int | None) -> dict:
+    """The request models as the served model bounds them (`schemas.bounded`), from its config (no weights);
+    the unbounded ones when the config cannot be read (the load reports why, in the background)."""
+    from remat.models import load_config
+
+    try:
+        config = load_config(model)
+    except Exception:  # noqa: BLE001 - a bad model fails to load, and /health says why
+        return {}
+    max_ctx = int(getattr(config, "max_position_embeddings", None) or 1 << 20)  # as the engine reads it
+    return schemas.bounded(schemas.Limits(n_ctx=n_ctx or max_ctx, vocab=int(config.vocab_size)))
 
 
 # ---------------------------------------------------------------------------------------------------------

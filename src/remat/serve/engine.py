@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from remat.serve.errors import ApiError
+from remat.serve.schemas import CHARS_PER_TOKEN
 from remat.settings import one_line
 
 if TYPE_CHECKING:
@@ -36,7 +37,6 @@ if TYPE_CHECKING:
 
 __all__ = ["Engine", "Generation", "SamplingParams"]
 
-CHARS_PER_TOKEN = 32  # text longer than this many characters per token of context is refused untokenized
 
 
 @dataclass

@@ -234,7 +234,9 @@ class JobManager:
     def plan(self, req: TrainRequest | dict) -> dict:
         """Validate, plan and gate a job without queueing it: the answer `submit` would give, less the id;
         raises ApiError (400, 422) when it cannot run."""
-        return self._planned(req).answer()
+        p = self._planned(req)
+        body.release(p.records)
+        return p.answer()
 
     def submit(self, req: TrainRequest | dict) -> dict:
         """`plan`, then queue the job; raises ApiError (400, 422) when it cannot run."""
@@ -250,6 +252,7 @@ class JobManager:
             self._event(job_id, "queued", {"position": len(self._queue) + (self._run is not None)})
             self._queue.append(job_id)
             self._changed.notify_all()
+        body.release(p.records)
         return {"id": job_id, "status": "queued", **p.answer()}
 
     def list(self) -> builtins.list[dict]:
@@ -413,10 +416,14 @@ class JobManager:
         and the gate on the planned graph, against the job's budget."""
         self._check_open()
         s, records, name = self._settings(req)
-        steps = self._check_data(s, records)
-        budget = self._budget(s)
-        self._lora_gate(s, budget)  # from shapes, before PEFT allocates anything
-        return _Planned(s, records, name, steps, self._choose(s, budget))
+        try:
+            steps = self._check_data(s, records)
+            budget = self._budget(s)
+            self._lora_gate(s, budget)  # from shapes, before PEFT allocates anything
+            return _Planned(s, records, name, steps, self._choose(s, budget))
+        except ApiError:
+            body.release(records)  # a slice at a time, not with the error's traceback
+            raise
 
     def _budget(self, s: TrainSettings) -> int:
         """The job's budget: its own `memory_budget` when it asks for one, at most the server's."""
@@ -427,11 +434,14 @@ class JobManager:
         """The job's TrainSettings, records and name from a request (checked by `TrainRequest`)."""
         if not isinstance(req, TrainRequest):
             req = parse(TrainRequest, req)
-        fields = req.model_dump(exclude_unset=True, exclude_none=True)
+        fields = body.dump(req, exclude_unset=True, exclude_none=True)  # the records a slice at a time
+        dumped = fields.pop("data")
         try:
-            records = data.parse_records(fields.pop("data"))
+            records = data.parse_records(dumped)
         except data.DataError as e:
             raise _invalid("data", str(e)) from None
+        finally:
+            body.release(dumped)
         fields.pop("model", None)  # like llama.cpp's server: a server trains the model it serves
         name = fields.pop("name", None)
         max_ctx = int(self._model_config().max_position_embeddings)
@@ -455,29 +465,22 @@ class JobManager:
     def _lora_gate(self, s: TrainSettings, budget: int) -> None:
         """Refuse (422) a LoRA whose own weights, grads and AdamW states exceed the budget, from the base
         model's linear shapes alone, before PEFT allocates the adapter to plan it."""
-        if not s.lora:
+        lora = step.lora_settings(s)
+        if lora is None:
             return
-        targets = s.lora_targets
-        n = sum(s.lora_r * (i + o) for name, i, o in self._linear_shapes()
-                if (name.rsplit(".", 1)[-1] != "lm_head" if targets is None
-                    else any(name == t or name.endswith("." + t) for t in targets)))
-        need = n * 4 * 4  # fp32 weight, grad and two AdamW states per adapter parameter
-        if need > budget:
-            raise _refused(f"a LoRA of rank {s.lora_r} needs {need / 2**20:,.1f} MiB for its weights, grads and "
-                           f"optimizer states alone, over the budget of {budget / 2**20:,.1f} MiB: "
-                           "lower lora.r or target fewer layers", {"budget": budget, "lora_bytes": need})
+        need = adapters.state_bytes(self._linear_shapes(), lora)
+        why = adapters.over_budget(need, budget, lora, "lora.r")
+        if why is not None:
+            raise _refused(why, {"budget": budget, "lora_bytes": need})
 
     def _linear_shapes(self) -> builtins.list[tuple[str, int, int]]:
         """(name, in, out) of every linear layer of the served model, from a model built on fake tensors."""
         if self._linears is None:
-            import torch
-
             from remat.capture import EagerStridesFakeMode
 
             with self._planning(), EagerStridesFakeMode(allow_non_fake_inputs=True):
                 model = models.build_from_config(self._model_config(), seed=0)
-            self._linears = [(n, m.in_features, m.out_features) for n, m in model.named_modules()
-                             if isinstance(m, torch.nn.Linear)]
+            self._linears = adapters.linear_shapes(model)
         return self._linears
 
     def _check_data(self, s: TrainSettings, records: builtins.list[dict]) -> int | None:

@@ -54,12 +54,13 @@ def _exact_bounds(node: object) -> None:
             _exact_bounds(value)
 
 
-def _add_body_models(doc: dict[str, Any]) -> None:
-    """The schemas of the bodies FastAPI does not read itself, as it would write them (validation mode)."""
+def _add_body_models(doc: dict[str, Any], bodies: dict) -> None:
+    """The schemas of the bodies FastAPI does not read itself (every body: `remat.serve.body`), as it would
+    write them (validation mode), each as the app narrows it (`bodies`: the served model's bounds)."""
     if not BODY_MODELS:
         return
-    _, defs = models_json_schema([(m, "validation") for m in sorted(BODY_MODELS, key=lambda m: m.__name__)],
-                                 ref_template="#/components/schemas/{model}")
+    models = sorted((bodies.get(m, m) for m in BODY_MODELS), key=lambda m: m.__name__)
+    _, defs = models_json_schema([(m, "validation") for m in models], ref_template="#/components/schemas/{model}")
     schemas = doc.setdefault("components", {}).setdefault("schemas", {})
     for name, schema in defs.get("$defs", {}).items():
         schemas.setdefault(name, schema)
@@ -72,7 +73,7 @@ def document(app: FastAPI, keys: bool) -> dict:
         for path, ops in doc.get("paths", {}).items():
             for method, op in ops.items():
                 _fix_operation(path, method, op, keys)
-        _add_body_models(doc)
+        _add_body_models(doc, getattr(app.state, "bodies", None) or {})
         schemas = doc.get("components", {}).get("schemas", {})
         for name in ("HTTPValidationError", "ValidationError"):
             schemas.pop(name, None)

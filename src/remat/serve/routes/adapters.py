@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
-from fastapi import APIRouter
+from typing import Annotated
+
+from fastapi import APIRouter, Depends
 from starlette.concurrency import run_in_threadpool
 
+from remat.serve.body import openapi_body, reader
 from remat.serve.errors import responses
-from remat.serve.schemas import Adapter, LoraScale
+from remat.serve.schemas import Adapter, LoraScales
 from remat.serve.state import JobsDep
 
 router = APIRouter(tags=["adapters"])
@@ -18,7 +21,8 @@ async def get_adapters(jobs: JobsDep):
     return await run_in_threadpool(jobs.adapters)
 
 
-@router.post("/lora-adapters", response_model=list[Adapter], responses=responses(400, 503))
-async def set_adapters(body: list[LoraScale], jobs: JobsDep):
+@router.post("/lora-adapters", response_model=list[Adapter], responses=responses(400, 503),
+             openapi_extra=openapi_body(LoraScales))
+async def set_adapters(jobs: JobsDep, body: Annotated[LoraScales, Depends(reader(LoraScales))]):
     """Set the scales every request decodes with (unless it sends its own `lora`); unlisted adapters go to 0."""
-    return await run_in_threadpool(jobs.set_scales, [x.model_dump() for x in body])
+    return await run_in_threadpool(jobs.set_scales, [x.model_dump() for x in body.root])

@@ -2,22 +2,27 @@
 
 from __future__ import annotations
 
-from fastapi import APIRouter, Request
+from typing import Annotated
+
+from fastapi import APIRouter, Depends, Request
 from starlette.concurrency import run_in_threadpool
 
 from remat.serve import generation as gen
+from remat.serve.body import openapi_body, reader
 from remat.serve.errors import ApiError, responses
 from remat.serve.routes.completions import openai_answer
 from remat.serve.schemas import ChatRequest, ChatResponse
 from remat.serve.state import EngineDep
 
 router = APIRouter(tags=["generation"])
+ChatBody = Annotated[ChatRequest, Depends(reader(ChatRequest))]  # read in a worker thread
 
 
 @router.post("/v1/chat/completions", response_model=ChatResponse,
-             responses={**gen.streams(ChatResponse, "The answer"), **responses(400, 503)})
+             responses={**gen.streams(ChatResponse, "The answer"), **responses(400, 503)},
+             openapi_extra=openapi_body(ChatRequest))
 @router.post("/chat/completions", response_model=ChatResponse, include_in_schema=False)
-async def v1_chat(body: ChatRequest, e: EngineDep, request: Request):
+async def v1_chat(e: EngineDep, body: ChatBody, request: Request):
     """OpenAI's chat completion, through the model's chat template."""
     messages = []
     for m in body.messages:

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import time
 import uuid
+from typing import Annotated
 
-from fastapi import APIRouter, Request
+from fastapi import APIRouter, Depends, Request
 from starlette.concurrency import run_in_threadpool
 
 from remat.serve import generation as gen
+from remat.serve.body import openapi_body, reader
 from remat.serve.engine import Engine, Generation, SamplingParams
 from remat.serve.errors import responses
 from remat.serve.schemas import CompletionRequest, CompletionResponse, CompletionsRequest, CompletionsResponse
@@ -17,6 +19,9 @@ from remat.settings import VERSION
 
 router = APIRouter(tags=["generation"])
 ERRORS = responses(400, 503)
+# Bodies read in a worker thread (`remat.serve.body`), as the served model bounds them.
+CompletionBody = Annotated[CompletionRequest, Depends(reader(CompletionRequest))]
+CompletionsBody = Annotated[CompletionsRequest, Depends(reader(CompletionsRequest))]
 
 
 def _llama_result(e: Engine, body: CompletionRequest, params: SamplingParams, g: Generation) -> dict:
@@ -32,9 +37,9 @@ def _llama_result(e: Engine, body: CompletionRequest, params: SamplingParams, g:
 
 
 @router.post("/completion", response_model=CompletionResponse, responses={**gen.streams(CompletionResponse,
-             "The completion"), **ERRORS})
+             "The completion"), **ERRORS}, openapi_extra=openapi_body(CompletionRequest))
 @router.post("/completions", response_model=CompletionResponse, include_in_schema=False)
-async def completion(body: CompletionRequest, e: EngineDep, request: Request):
+async def completion(e: EngineDep, body: CompletionBody, request: Request):
     """llama.cpp's completion. A client that hangs up stops the decoding (streaming or not)."""
     ids = await run_in_threadpool(e.prompt_ids, body.prompt)
     params = gen.sampling(body, body.n_predict, body.stop)
@@ -108,8 +113,9 @@ async def openai_answer(e: Engine, body, ids: list[int], max_tokens: int | None,
 
 
 @router.post("/v1/completions", response_model=CompletionsResponse,
-             responses={**gen.streams(CompletionsResponse, "The completion"), **ERRORS})
-async def v1_completions(body: CompletionsRequest, e: EngineDep, request: Request):
+             responses={**gen.streams(CompletionsResponse, "The completion"), **ERRORS},
+             openapi_extra=openapi_body(CompletionsRequest))
+async def v1_completions(e: EngineDep, body: CompletionsBody, request: Request):
     """OpenAI's text completion."""
     ids = await run_in_threadpool(e.prompt_ids, body.prompt)
     return await openai_answer(e, body, ids, body.max_tokens, False, request)

@@ -4,6 +4,7 @@ resumable with Last-Event-ID)."""
 
 from __future__ import annotations
 
+import re
 from typing import Annotated
 
 from fastapi import APIRouter, Depends, Header, Query, Request
@@ -18,6 +19,11 @@ from remat.serve.state import JobsDep
 
 router = APIRouter(tags=["training"])
 EventId = Annotated[int | None, Query(ge=0, le=MAX_EVENT_ID, description="resume after this event id")]
+LAST_EVENT_ID = "^[0-9]{1,18}$"  # an event id as the header says it: ASCII digits, at most 18 (all below 2**63)
+# Typed `str`, not `str | None`: the document says a string or nothing (a client's None is no header at all).
+# The pattern is documented here and checked by `_last_event_id` (an error that names the header).
+LastEventId = Annotated[str, Header(json_schema_extra={"pattern": LAST_EVENT_ID},
+                                    description="resume after this event id")]
 
 
 async def train_body(request: Request) -> body.Parsed[TrainRequest]:
@@ -73,11 +79,10 @@ async def train_resume(job_id: str, jobs: JobsDep):
 def _last_event_id(header: str | None, after: int | None) -> int:
     if header is None:
         return -1 if after is None else after
-    text = header.strip()
-    if not text.isdigit() or int(text) > MAX_EVENT_ID:
-        raise ApiError(400, f"Last-Event-ID '{header[:40]}' is not an event id (an integer from 0 to {MAX_EVENT_ID})",
+    if not re.fullmatch(LAST_EVENT_ID, header):
+        raise ApiError(400, f"Last-Event-ID '{header[:40]}' is not an event id (at most 18 digits)",
                        extra={"param": "Last-Event-ID"})
-    return int(text)
+    return int(header)
 
 
 async def _events(jobs: JobManager, job_id: str, after: int, request: Request):
@@ -103,7 +108,7 @@ async def _events(jobs: JobManager, job_id: str, after: int, request: Request):
     **responses(400, 404, 503)})
 async def train_events(job_id: str, request: Request, jobs: JobsDep, after: EventId = None,
                        stream: bool = True,
-                       last_event_id: Annotated[str | None, Header(max_length=64)] = None):
+                       last_event_id: LastEventId = None):  # type: ignore[assignment]
     """Progress as server-sent events; `Last-Event-ID` or `?after=N` resumes after event N. The stream ends
     after the job's last event. `?stream=false`: the events so far as one JSON list."""
     after = _last_event_id(last_event_id, after)
