@@ -272,6 +272,8 @@ KNOWN_FAILURES: dict[tuple[str, str], str] = {
     ("phimoe", "LoRA"): "PEFT LoRA on its router returns a tuple its MoE block does not expect",
     ("inkling_text", "walk"): "the probe's K/V shapes do not match what its attention concatenates",
     ("gpt_neo", "walk"): "walk loss differs by ~4e-5 relative (local attention over the cache)",
+    ("lara_mini", "ubatch"): "with transformers 5.24 its loss is ~1.9e-5 relative from the model's own, recompute "
+    "off and on alike (it passed with the release before; cause not found yet)",
 }
 
 

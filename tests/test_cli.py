@@ -339,9 +339,10 @@ def test_smollm2_loss_goes_down_on_one_batch(cli, smol_descent):
 def test_smollm2_plan_predicts_the_process_peak(cli, ctx, recompute, training):
     """The planned total against the kernel's account of the whole process (wait4's maxrss, the child's
     peak resident set): the real model, full fine-tuning (parameters, grads and AdamW states 2 GiB) and LoRA
-    (the frozen weights and the graph), one step: the first step holds the peak (AdamW's states appear)."""
+    (the frozen weights and the graph), two steps: AdamW makes its states in the first update, so the plan's
+    peak (the step with the states alive) is reached from the second step on."""
     cli.shared(*SMOL, "--recompute", "on").result()  # the model is converted before these runs start
-    r = cli.shared("finetune", "--ctx", ctx, training, "--steps", "1", "--json", "--recompute", recompute).result()
+    r = cli.shared("finetune", "--ctx", ctx, training, "--steps", "2", "--json", "--recompute", recompute).result()
     assert r.rc == 0, r
     receipt = r.json()
     planned = receipt["plan"]
@@ -431,7 +432,9 @@ def test_plan_big_model_from_config_alone(cli):
         off, on = result["plans"]["off"], result["plans"]["on"]
         assert_plan(off)
         assert_plan(on)
-        assert on["graph"] < off["graph"] and on["total"] < off["total"], result
+        # At ctx 512 the 5.8 GB of grads dominate: the step peaks at its end with all of them, and the optimizer's
+        # update (the grads and three 934 MB temporaries) above that, so recompute shrinks the graph only.
+        assert on["graph"] < off["graph"] and on["step"] <= off["step"] and on["total"] <= off["total"], result
         assert on["params"] == off["params"] > 1.4e9 * 4  # fp32 parameters of a 1.5B model
         assert on["optimizer"] == 2 * on["params"]
         # Planned, not allocated: the process never came near the model's size.
@@ -439,6 +442,7 @@ def test_plan_big_model_from_config_alone(cli):
     short, long = (r.json()["plans"] for r in runs)
     assert long["off"]["graph"] > short["off"]["graph"] and long["on"]["graph"] > short["on"]["graph"]
     assert long["off"]["params"] == short["off"]["params"]
+    assert long["on"]["total"] < long["off"]["total"]  # at 34,816 the activations outweigh the grads
 
 
 def test_plan_human_table(cli, tiny_plans):

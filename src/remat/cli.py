@@ -127,7 +127,9 @@ def parser() -> argparse.ArgumentParser:
 
 
 def fail(code: int, message: str) -> int:
-    print(f"remat: error: {message}", file=sys.stderr)
+    # One write with its newline: ranks of a torchrun job share stderr, and print's two writes interleave.
+    sys.stderr.write(f"remat: error: {message}\n")
+    sys.stderr.flush()
     return code
 
 
