@@ -43,7 +43,18 @@ import torch
 from torch import nn
 
 from remat import adapters, bench, models, step
-from remat.bench import Variant, _eager_variant, _remat_variant, _sync, peak_during, random_batches
+from remat.bench import (
+    Variant,
+    _eager_variant,
+    _mib,
+    _remat_variant,
+    _secs,
+    _sync,
+    _training,
+    _x,
+    peak_during,
+    random_batches,
+)
 from remat.graph import StepInputs
 from remat.hf import causal_lm_loss, prepare
 from remat.plan import Plan
@@ -380,21 +391,8 @@ def summarize(result: dict) -> dict:
 # ---------------------------------------------------------------------------------------- outputs
 
 
-def _mib(n: int | None) -> str:
-    return "–" if n is None else f"{n / MiB:,.1f}"
-
-
-def _x(r: float | None) -> str:
-    return "–" if r is None else f"{r:.3f}×"
-
-
-def _secs(t: float | None) -> str:
-    return "–" if t is None else f"{t:.3f}"
-
-
 def title(result: dict) -> str:
-    training = f"LoRA r{result['lora']}" if result.get("lora") else "full"
-    return f"{result['model']}, ctx {result['ctx']}, batch {result['batch']}, {training}, {result['device']}"
+    return f"{result['model']}, ctx {result['ctx']}, batch {result['batch']}, {_training(result)}, {result['device']}"
 
 
 def _table(result: dict) -> list[str]:
