@@ -32,8 +32,9 @@ lint: $(BIN)/remat
 	$(BIN)/ruff check src tests
 	$(BIN)/mypy
 
+# Two workers: most tests are one-threaded tracing (tests set one torch thread), so two cores run two at once.
 test: setup lint
-	$(BIN)/pytest
+	$(BIN)/pytest -n 2
 
 clean:
 	rm -rf $(VENV)

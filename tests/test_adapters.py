@@ -13,9 +13,26 @@ import peft
 import pytest
 import torch
 import transformers
-from transformers.modeling_gguf_pytorch_utils import LlamaTensorProcessor
+from peft.tuners.lora import ParamWrapper
+from transformers.modeling_gguf_pytorch_utils import (
+    TENSOR_PROCESSORS,
+    BloomTensorProcessor,
+    LlamaTensorProcessor,
+    TensorProcessor,
+    get_gguf_hf_weights_map,
+)
+from transformers.pytorch_utils import Conv1D
 
-from remat.adapters import AdapterError, LoraSettings, apply_lora, merge_into_base, save_adapter
+import conformance
+from remat.adapters import (
+    _CONVERTERS,
+    AdapterError,
+    LoraSettings,
+    apply_lora,
+    merge_into_base,
+    save_adapter,
+    write_gguf_adapter,
+)
 from remat.models import build_from_config, default_gguf_path, load_model
 
 SMOL = "smollm2"  # marks the parameter that means the real SmolLM2 GGUF
@@ -171,14 +188,27 @@ def test_save_into_an_empty_folder_or_a_new_path(tmp_path):
 
 
 def test_unsupported_architecture_skips_only_the_gguf(tmp_path):
-    config = transformers.AutoConfig.for_model(
-        "mistral", vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-        num_attention_heads=2, num_key_value_heads=1)
-    model = apply_lora(build_from_config(config), LoraSettings(r=2))
+    model = apply_lora(build_from_config(conformance.tiny_config("gptj")), LoraSettings(r=2))
     with pytest.warns(UserWarning, match="adapter.gguf not written: GGUF adapter export is not supported for "
-                                         "mistral"):
+                                         "gptj: llama.cpp's converter has no GPTJForCausalLM"):
         files = save_adapter(model, tmp_path / "a", base_name="some/folder")
     assert sorted(Path(f).name for f in files) == ["README.md", "adapter_config.json", "adapter_model.safetensors"]
+
+
+def test_layers_llama_cpp_reshapes_are_left_out_with_a_warning(tmp_path):
+    model = apply_lora(build_from_config(conformance.tiny_config("deepseek_v2")), LoraSettings(r=2))
+    with pytest.warns(UserWarning, match=r"adapter.gguf leaves out kv_b_proj \(2 layers\): llama.cpp splits it per "
+                                         r"head into k_b \(transposed\) and v_b"):
+        files = save_adapter(model, tmp_path / "a", base_name="x")
+    assert "adapter.gguf" in {Path(f).name for f in files}
+
+
+def test_falcon_layout_the_converter_cannot_regroup_gets_no_gguf(tmp_path):
+    # Multi-query Falcon with num_kv_heads == num_heads: llama.cpp's converter fails on the base weight itself.
+    model = apply_lora(build_from_config(conformance.tiny_config("falcon")), LoraSettings(r=2))
+    with pytest.warns(UserWarning, match="adapter.gguf not written: llama.cpp's converter cannot regroup"):
+        files = save_adapter(model, tmp_path / "a", base_name="x")
+    assert "adapter.gguf" not in {Path(f).name for f in files}
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -210,7 +240,7 @@ def untile_v_heads(t: np.ndarray, dim: int, n_k: int, v_per_k: int, head_dim: in
 def to_hf_layout(arch: str, hf_name: str, gguf_name: str, a: np.ndarray, b: np.ndarray, config):
     if arch == "llama":
         return a, unpermute_llama(b, gguf_name, config)
-    if arch == "qwen35" and ".linear_attn." in hf_name:
+    if arch in ("qwen35", "qwen35moe") and ".linear_attn." in hf_name:
         n_k, n_v = config.linear_num_key_heads, config.linear_num_value_heads
         v_per_k, dk, dv = n_v // n_k, config.linear_key_head_dim, config.linear_value_head_dim
         if hf_name.endswith("in_proj_qkv"):
@@ -311,6 +341,123 @@ def test_gguf_adapter_is_checked_against_the_base_gguf(tmp_path):
         with pytest.raises(AdapterError, match=message):
             save_adapter(model, tmp_path / "b", base_name="x", base_gguf=base)
         assert not (tmp_path / "b").exists()
+
+
+# ---------------------------------------------------------------------------------------------------------
+# the GGUF adapter of every family llama.cpp converts, read back with transformers' own GGUF loader code
+
+FALCON_NEW = {"new_decoder_architecture": True, "num_kv_heads": 2}  # a layout llama.cpp's converter regroups
+# Adapted layers each family leaves out of adapter.gguf (kind -> why, abbreviated); every other family, none.
+MLA = {"kv_b_proj": "splits it per head"}
+LEFT_OUT = {
+    "deepseek_v2": MLA, "deepseek_v3": MLA, "sarvam_mla": MLA, "youtu": MLA, "glm4_moe_lite": MLA,
+    "glm_moe_dsa": MLA, "kimi_linear": {**MLA, "f_a_proj": "no tensor", "f_b_proj": "no tensor"},
+    "qwen3_next": {"in_proj_qkvz": "splits it into attn_qkv and attn_gate"},
+    "granitemoehybrid": {"shared_mlp.input_linear": "splits it into the gate and up"},
+}
+NO_GGUF = {
+    "nemotron_h": "have no tensor",  # transformers names its modules model.*, llama.cpp the checkpoint's backbone.*
+    "falcon_h1": "folds its multipliers into the weights",
+}
+PERMUTED = {"llama", "arcee", "smollm3", "mistral3", "granite", "granitemoe", "granitehybrid", "olmo"}
+
+
+def gguf_cases() -> list:
+    names = sorted(f.name for f in conformance.families() if f.skip is None and f.cls in _CONVERTERS)
+    return [pytest.param(n, {}, id=n) for n in names if n != "falcon"] + [
+        pytest.param("falcon", FALCON_NEW, id="falcon-new-arch")]
+
+
+def gguf_to_hf(arch: str, gguf_name: str, delta: np.ndarray, config) -> np.ndarray:
+    """A GGUF weight back in the HF parameter's layout, by transformers' GGUF loader (its TensorProcessors
+    undo llama.cpp's converter; LlamaModel.permute and the Bloom/GPT-NeoX QKV reorder serve every family
+    whose converter applies them)."""
+    if arch in PERMUTED:
+        processor: TensorProcessor = LlamaTensorProcessor(config={
+            "num_attention_heads": config.num_attention_heads, "num_key_value_heads": config.num_key_value_heads})
+    elif arch in ("bloom", "gptneox"):
+        processor = BloomTensorProcessor(config={"n_head": config.num_attention_heads,
+                                                 "hidden_size": config.hidden_size})
+    else:
+        processor = TENSOR_PROCESSORS.get(arch, TensorProcessor)(config={})
+    return processor.process(delta, gguf_name + ".weight").weights
+
+
+def falcon_gguf_rows(attn: torch.nn.Module, w: torch.Tensor) -> torch.Tensor:
+    """A fused query_key_value weight in llama.cpp's [all q; all k; all v] rows, split by Falcon's own code."""
+    q, k, v = attn._split_heads(w.T[None])  # each column of W as one position: [1, in, heads, head_dim]
+    per_kv = attn.num_heads // attn.num_kv_heads
+    k, v = k[:, :, ::per_kv], v[:, :, ::per_kv]  # new architecture: one K/V head per group, broadcast to the group
+    return torch.cat([t[0].reshape(w.shape[1], -1).T for t in (q, k, v)])
+
+
+def lora_and_deltas(name: str, extra: dict) -> tuple[peft.PeftModel, dict[str, torch.Tensor]]:
+    try:
+        base = conformance.build(name, **extra)
+    except Exception as e:  # noqa: BLE001 - the family's tiny config is not ours to fix here
+        pytest.skip(f"the tiny {name} does not build: {type(e).__name__}")
+    model = apply_lora(base, LoraSettings(r=2, alpha=3))
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if "lora_B" in n:
+                p.copy_(torch.randn(p.shape, generator=g))
+    deltas = {n: m.get_delta_weight("default").detach() for n, m in model.get_base_model().named_modules()
+              if isinstance(m, peft.tuners.lora.LoraLayer) and not isinstance(m, ParamWrapper)}  # HF layout
+    return model, deltas
+
+
+@pytest.mark.parametrize("name, extra", gguf_cases())
+def test_gguf_adapter_lands_on_the_modules_peft_trained(name, extra, tmp_path):
+    model, deltas = lora_and_deltas(name, extra)
+    arch_id = _CONVERTERS[type(model.get_base_model()).__name__][0]
+    arch = gguf.MODEL_ARCH_NAMES[arch_id]
+    if name in NO_GGUF:
+        with pytest.raises(AdapterError, match=NO_GGUF[name]):
+            write_gguf_adapter(model, tmp_path / "a.gguf")
+        return
+    notes = write_gguf_adapter(model, tmp_path / "a.gguf")
+    params = {n for n, m in model.get_base_model().named_modules() if isinstance(m, ParamWrapper)}
+    # PEFT's LoRA on fused MoE expert (and router) parameters is left out, with its own note.
+    assert any("adapts the parameter itself" in n for n in notes) == bool(params), notes
+    notes = [n for n in notes if "adapts the parameter itself" not in n]
+    assert {n.split(" (")[0] for n in notes} == set(LEFT_OUT.get(name, {})), notes
+    assert all(why in n for n in notes for kind, why in LEFT_OUT[name].items() if n.startswith(kind + " ("))
+    fields, tensors = read_adapter(tmp_path / "a.gguf")
+    assert fields["general.architecture"] == arch and fields["adapter.lora.alpha"] == 3.0
+
+    plain = model.unload()  # the base model with its HF names, for transformers' GGUF -> HF name map
+    config = plain.config
+    to_hf = get_gguf_hf_weights_map(plain, TensorProcessor(), model_type=arch, num_layers=config.num_hidden_layers)
+    known = {gguf.TENSOR_NAMES[t].format(bid=i) for t in gguf.MODEL_TENSORS[arch_id]
+             for i in range(config.num_hidden_layers)}
+    written = {t.rsplit(".", 2)[0] for t in tensors}  # blk.0.attn_q of blk.0.attn_q.weight.lora_a
+    assert written <= known, written - known  # names llama.cpp's loader looks up for this architecture
+    landed = {to_hf[t + ".weight"].removesuffix(".weight"): t for t in written}
+    left = {n for n in deltas if any(n.endswith(kind) for kind in LEFT_OUT.get(name, {}))}
+    assert set(landed) == set(deltas) - left  # every trained module, each once, on its own tensor
+    modules = dict(plain.named_modules())
+    for hf_name, t in landed.items():
+        a, b = tensors[t + ".weight.lora_a"], tensors[t + ".weight.lora_b"]
+        weight = modules[hf_name].weight
+        out, inp = weight.shape[::-1] if isinstance(modules[hf_name], Conv1D) else weight.shape
+        # llama.cpp's loader: a.ne[0] == W.ne[0] (in), b.ne[1] == W.ne[1] (out), a.ne[1] == b.ne[0] (rank)
+        assert (a.shape[1], b.shape[0], a.shape[0]) == (inp, out, b.shape[1]), hf_name
+        got, want = gguf_and_peft_delta(arch, t, hf_name, a, b, modules, deltas[hf_name], config)
+        assert got.numel() == want.numel(), hf_name  # (a 1-row weight may come back as [1, 1, in])
+        torch.testing.assert_close(got.reshape(want.shape), want, rtol=1e-5, atol=1e-6, msg=hf_name)
+
+
+def gguf_and_peft_delta(arch: str, gguf_name: str, hf_name: str, a: np.ndarray, b: np.ndarray, modules: dict,
+                        peft_delta: torch.Tensor, config) -> tuple[torch.Tensor, torch.Tensor]:
+    """The adapter's delta as llama.cpp applies it (alpha / rank · B·A) and PEFT's, in one layout."""
+    delta = 1.5 * (torch.from_numpy(b) @ torch.from_numpy(a))
+    if arch == "falcon" and hf_name.endswith("query_key_value"):  # transformers' GGUF loader has no reverse
+        return delta, falcon_gguf_rows(modules[hf_name.rsplit(".", 1)[0]], peft_delta)
+    if arch.startswith("qwen35"):  # nor here: the V-head reorder, undone by untile_v_heads
+        a, b = to_hf_layout(arch, hf_name, gguf_name, a, b, config)
+        return 1.5 * (torch.from_numpy(b) @ torch.from_numpy(a)), peft_delta
+    return torch.from_numpy(np.ascontiguousarray(gguf_to_hf(arch, gguf_name, delta.numpy(), config))), peft_delta
 
 
 # ---------------------------------------------------------------------------------------------------------

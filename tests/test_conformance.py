@@ -3,7 +3,8 @@ as the model defines it, or is refused before training with a one-line reason na
 
 Families come from transformers' causal-LM auto mapping (tests/conformance.py builds each as a tiny
 model that keeps its features). For each: (i) remat's loss and grads, recompute off and on, against the
-model's own eager forward + backward (relative difference <= 1e-5, fp32); (ii) recompute on == off
+model's own eager forward + backward (relative difference <= 1e-5, fp32; grads per tensor, `conformance.grads_rel`:
+a gradient that is a sum cancelling to near zero is held to the largest one's scale); (ii) recompute on == off
 bitwise; (iii) planned graph peak == measured; (iv) the exact walk's window loss == the one-graph
 window's, its grads == the model's own (per tensor, `conformance.grads_rel`); (v) LoRA trains (one
 step changes the adapter, its grads are PEFT's own eager backward's). Each family's checks run once

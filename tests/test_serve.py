@@ -305,8 +305,9 @@ def test_bad_input(server, case):
     err = out["error"]
     assert err["type"] == type_ and part in err["message"], err
     assert "Traceback" not in err["message"]
-    # and the server answers the next good request
-    assert server.ok("POST", "/completion", {"prompt": "ok", "n_predict": 2})["tokens_predicted"] == 2
+    # and the server answers the next good request (one token or two: the second may be the end of text, as
+    # the adapter scales other tests of this module set change what the model samples)
+    assert server.ok("POST", "/completion", {"prompt": "ok", "n_predict": 2})["tokens_predicted"] in (1, 2)
 
 
 def test_bad_last_event_id(server):

@@ -9,16 +9,26 @@ backward starts; it is read off the tracer at that moment, not guessed later.
 from __future__ import annotations
 
 import functools
+import linecache
+import operator
+import traceback
 from collections.abc import Callable
+from pathlib import Path
 from typing import ClassVar, NamedTuple
 
 import torch
 from torch import fx, nn
-from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+from torch._subclasses.fake_tensor import (
+    DataDependentOutputException,
+    DynamicOutputShapeException,
+    FakeTensor,
+    FakeTensorMode,
+)
 from torch.fx.experimental.proxy_tensor import get_proxy_mode, make_fx
+from torch.multiprocessing.reductions import StorageWeakRef
 
 from remat.graph import StepInputs, TrainGraph, tensors_in
-from remat.hf import causal_lm_loss, prepare
+from remat.hf import UnsupportedModel, causal_lm, causal_lm_loss, prepare
 
 _traces = {"count": 0}  # traces made in this process: an epoch must not trace more than once
 
@@ -34,9 +44,28 @@ def capture(model: nn.Module, input_ids: torch.Tensor, labels: torch.Tensor, *,
     Nothing of the step is computed: tracing runs on FakeTensors, and each node's
     `meta["val"]` carries shape, dtype, strides and storage for the planner.
     """
-    return trace(model, functools.partial(causal_lm_loss, loss_chunk=loss_chunk),
-                 {"input_ids": ("input", input_ids), "labels": ("input", labels)},
-                 info={"shape": tuple(input_ids.shape), "loss_chunk": loss_chunk})
+    try:
+        return trace(model, functools.partial(causal_lm_loss, loss_chunk=loss_chunk),
+                     {"input_ids": ("input", input_ids), "labels": ("input", labels)},
+                     info={"shape": tuple(input_ids.shape), "loss_chunk": loss_chunk})
+    except (DataDependentOutputException, DynamicOutputShapeException) as e:
+        raise UnsupportedModel(reads_values(model, e)) from None
+
+
+def reads_values(model: nn.Module, e: BaseException) -> str:
+    """The refusal for a model whose forward reads tensor values to decide what it computes (a Python list of
+    sizes, a data-dependent shape: JetMoE's routing), which a traced step, on values-free tensors, cannot follow.
+    It names the model's own code: the innermost frame of the traceback outside torch and remat."""
+    where, skip = "its forward", (Path(torch.__file__).parent, Path(__file__).parent)
+    for frame, lineno in traceback.walk_tb(e.__traceback__):
+        path = Path(frame.f_code.co_filename)
+        if not any(path.is_relative_to(d) for d in skip):
+            owner = frame.f_locals.get("self")
+            line = linecache.getline(str(path), lineno).strip()[:100]
+            where = f"{type(owner).__name__ if owner is not None else path.stem} (`{line}`, {path.name}:{lineno})"
+    name = getattr(getattr(causal_lm(model), "config", None), "model_type", type(model).__name__)
+    return (f"{name}: {where} reads tensor values to decide what it computes (data-dependent), which a traced "
+            "step cannot follow")
 
 
 def trace(model: nn.Module, loss_fn, inputs: dict[str, tuple[str, torch.Tensor]], *,
@@ -143,20 +172,34 @@ class EagerStridesFakeMode(FakeTensorMode):
         return super().__torch_dispatch__(func, types, args, kwargs)
 
 
-def fake_values(nodes: list[fx.Node]) -> None:
-    """Compute fresh fake `meta["val"]`s for `nodes` (in graph order) from their inputs' values.
+def copied_value(original: fx.Node, copy: fx.Node) -> object:
+    """The fake value of `copy`, a node computing what `original` computes on inputs laid out as its inputs
+    (a recompute clone, a layer stamped again): `original`'s layouts, on the storages of `copy`'s inputs
+    where `original`'s are its inputs' (views, in-place results), else on new ones.
 
-    What a rewrite needs for the clones it adds: each gets a storage of its own, in the fake mode the
-    graph was traced in, while every other node keeps its value (re-propagating the whole graph
-    took three quarters of a rewrite's time).
+    Made on the meta device directly, not by running the op's fake kernel again: that gave the same
+    layouts at several times the cost, and was most of a rewrite's time.
     """
-    vals = (t for n in nodes for a in n.all_input_nodes for t in tensors_in(a.meta.get("val")))
-    mode = next((t.fake_mode for t in vals if isinstance(t, FakeTensor)), None)
-    with mode or EagerStridesFakeMode(allow_non_fake_inputs=True):
-        for n in nodes:
-            assert callable(n.target), n  # clones and views copy call_function nodes
-            args, kwargs = fx.node.map_arg((n.args, n.kwargs), lambda a: a.meta["val"])
-            n.meta["val"] = n.target(*args, **kwargs)
+    if original.target is operator.getitem:
+        return copy.args[0].meta["val"][copy.args[1]]  # type: ignore[union-attr]
+    storages: dict[StorageWeakRef, torch.UntypedStorage] = {}
+    for a_o, a_c in zip(original.all_input_nodes, copy.all_input_nodes):
+        for u_o, u_c in zip(tensors_in(a_o.meta.get("val")), tensors_in(a_c.meta.get("val"))):
+            storages.setdefault(StorageWeakRef(u_o.untyped_storage()), u_c.untyped_storage())
+
+    def one(t: object) -> object:
+        if not isinstance(t, FakeTensor):
+            return t
+        ref = StorageWeakRef(t.untyped_storage())
+        if ref not in storages:
+            storages[ref] = torch.empty(t.untyped_storage().nbytes(), dtype=torch.uint8,
+                                        device="meta").untyped_storage()
+        elem = torch.empty(0, dtype=t.dtype, device="meta").set_(storages[ref], t.storage_offset(), t.shape,
+                                                                 t.stride())
+        return FakeTensor(t.fake_mode, elem, t.device)
+
+    val = original.meta["val"]
+    return type(val)(map(one, val)) if isinstance(val, (tuple, list)) else one(val)
 
 
 class _LossModule(nn.Module):

@@ -5,7 +5,8 @@ model), `causal_lm_loss` / `model_loss` (the step's loss), `decoder_layers`, and
 `hf_cache.WalkCache` that attention and recurrent layers call on the walk path.
 
 Follow the model, don't replace it: masks are transformers' own (`sdpa_mask` with the
-model's mask function: causal, sliding window, chunked), attention is SDPA or, where a
+model's mask function: causal, sliding window, chunked; `eager_mask` for a model that ships
+eager attention only), attention is SDPA or, where a
 layer needs what SDPA lacks (softcapping, sinks), the model's own eager attention; the
 loss reads the logits the model's own forward makes (its head, scaling and softcapping)
 and adds the router loss the model adds. What remat cannot follow it refuses, naming
@@ -24,11 +25,15 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import AttentionInterface, masking_utils
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
-from transformers.masking_utils import AttentionMaskInterface, causal_mask_function, sdpa_mask
+from transformers.masking_utils import AttentionMaskInterface, causal_mask_function, eager_mask, sdpa_mask
 
 from remat.marks import LAYER_MARK, mark
 
 ATTENTION = "remat"
+# The same attention, with masks as transformers makes them for eager attention (float, 0 or the dtype's min), for
+# a model that ships eager attention only: its code may extend or add to its mask as such (DeepSeek-V4 concatenates
+# its compressors' causal bias onto it), where remat's boolean SDPA masks would be read wrongly.
+ATTENTION_EAGER_MASKS = "remat_eager_masks"
 # Mixture-of-experts layers run transformers' "batched_mm" experts: static shapes, so they trace on fake
 # tensors ("grouped_mm" needs bf16 on CPU, "eager" loops over the experts a batch happens to hit).
 EXPERTS = "batched_mm"
@@ -82,6 +87,8 @@ def _attention(module, query, key, value, attention_mask, **kwargs):
 
 AttentionInterface.register(ATTENTION, _attention)
 AttentionMaskInterface.register(ATTENTION, _mask)
+AttentionInterface.register(ATTENTION_EAGER_MASKS, _attention)
+AttentionMaskInterface.register(ATTENTION_EAGER_MASKS, eager_mask)
 
 
 # ------------------------------------------------------------------------------------------ layers
@@ -139,9 +146,19 @@ class _DecoderOnce(nn.Module):
         return out
 
 
+def decoder_of(model: nn.Module) -> Any:
+    """The model's decoder (the module whose output is the last hidden state): transformers' `get_decoder()`, or
+    the base model where what that finds holds no decoder layers (it looks for an attribute named `decoder` first,
+    and ModernBERT-decoder's output projection is named so)."""
+    lm = causal_lm(model)
+    decoder = lm.get_decoder()
+    layers = decoder_layers(lm)
+    return decoder if any(m is layers for m in decoder.modules()) else lm.base_model
+
+
 def _decoder_slot(lm: Any) -> tuple[nn.Module, str]:
     """(parent module, attribute) holding the model's decoder (`model`, `transformer`, `model.decoder`...)."""
-    decoder = lm.get_decoder()
+    decoder = decoder_of(lm)
     for parent in lm.modules():
         for name, m in parent.named_children():
             if m is decoder:
@@ -208,6 +225,8 @@ def mark_layer_outputs(model: nn.Module, prefix: str = LAYER_MARK) -> list:
 def prepare(model: nn.Module) -> None:
     """Once per model: mark the layer outputs, select remat's attention and masks, and traceable experts.
 
+    A model that ships without SDPA gets its masks in eager attention's format (`ATTENTION_EAGER_MASKS`).
+
     A model whose attention cannot be selected (no attention at all: Mamba; or its own attention
     only) keeps the attention it has.
     """
@@ -216,7 +235,7 @@ def prepare(model: nn.Module) -> None:
         return
     mark_layer_outputs(lm)
     try:
-        lm.set_attn_implementation(ATTENTION)
+        lm.set_attn_implementation(ATTENTION if lm._supports_sdpa else ATTENTION_EAGER_MASKS)
     except ValueError as e:  # transformers: "... does not support an attention implementation through ..."
         if "attention" not in str(e):
             raise

@@ -11,8 +11,14 @@ import torch
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensor
 
-from remat.hf import UnsupportedModel, causal_lm, decoder_layers, prepare
+from remat.hf import UnsupportedModel, causal_lm, decoder_layers, decoder_of, prepare
 from remat.settings import one_line
+
+
+def _name(kind: str, layer_idx: int, state_idx: int = 0) -> str:
+    """A carried state's name: `conv.3`, or `conv.3.1` for a layer's second one (Inkling's layers keep four
+    short-convolution states, told apart by `state_idx`)."""
+    return f"{kind}.{layer_idx}" + (f".{state_idx}" if state_idx else "")
 
 
 class _ProbeCache:
@@ -45,12 +51,12 @@ class _ProbeCache:
     def is_recording_past(self, layer_idx: int) -> bool:
         return False
 
-    def update_conv_state(self, conv_input, layer_idx: int, conv_kernel_size: int, **kwargs):
-        self.shapes[f"conv.{layer_idx}"] = (*conv_input.shape[:-1], conv_kernel_size)
+    def update_conv_state(self, conv_input, layer_idx: int, conv_kernel_size: int, state_idx: int = 0, **kwargs):
+        self.shapes[_name("conv", layer_idx, state_idx)] = (*conv_input.shape[:-1], conv_kernel_size)
         return torch.cat([conv_input.new_zeros(*conv_input.shape[:-1], conv_kernel_size), conv_input], dim=-1)
 
-    def update_recurrent_state(self, recurrent, layer_idx: int, **kwargs):
-        self.shapes[f"recurrent.{layer_idx}"] = recurrent.shape
+    def update_recurrent_state(self, recurrent, layer_idx: int, state_idx: int = 0, **kwargs):
+        self.shapes[_name("recurrent", layer_idx, state_idx)] = recurrent.shape
         return recurrent
 
 
@@ -66,17 +72,59 @@ def _without_initial_state(layer: nn.Module) -> str | None:
     return None
 
 
-def _probe(lm: Any, batch: int) -> dict[str, tuple[int, ...]]:
-    """Run the decoder on two tokens over a probe cache: the shape of every state its layers keep."""
-    cache = _ProbeCache()
+class _PaddedProbeCache(_ProbeCache):
+    """The probe cache laid out as the walk's: after the chunk's K/V rows, `pad` rows of later positions
+    (zeros), which the mask hides."""
+
+    def __init__(self, pad: int):
+        super().__init__()
+        self.pad = pad
+
+    def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
+        def padded(t: torch.Tensor) -> torch.Tensor:
+            return torch.cat([t, t.new_zeros(*t.shape[:2], self.pad, *t.shape[3:])], dim=2)
+
+        return padded(key_states), padded(value_states)
+
+    def get_mask_sizes(self, query_length: int, layer_idx: int = 0) -> tuple[int, int]:
+        return query_length + self.pad, 0
+
+
+def _run_probe(lm: Any, batch: int, cache: _ProbeCache) -> Any:
+    """The decoder on two tokens over a probe cache (in the fake mode of a model built without weights)."""
     params = [p for p in lm.parameters()]
     mode = next((p.fake_mode for p in params if isinstance(p, FakeTensor)), None)
     device = params[0].device
     ids = torch.zeros(batch, 2, dtype=torch.long, device=device)
     positions = torch.arange(2, device=device)[None].expand(batch, -1)
     with torch.no_grad(), mode if mode is not None else contextlib.nullcontext():
-        lm.get_decoder()(input_ids=ids, position_ids=positions, cache=cache, use_cache=True)
+        return decoder_of(lm)(input_ids=ids, position_ids=positions, cache=cache, use_cache=True)
+
+
+def _probe(lm: Any, batch: int) -> dict[str, tuple[int, ...]]:
+    """Run the decoder on two tokens over a probe cache: the shape of every state its layers keep."""
+    cache = _ProbeCache()
+    _run_probe(lm, batch, cache)
     return cache.shapes
+
+
+def _reads_cache_length(lm: Any, batch: int, ctx: int) -> bool:
+    """Whether the decoder's output changes when its cache holds rows past the chunk's, as the walk's does.
+
+    Attention that follows the mask ignores those rows; attention that cuts its own causal or local
+    mask by the cache's length (assuming the cache ends at the queries: GPT-Neo) attends elsewhere.
+    A model without weights (fake) has no values to compare.
+    """
+    if ctx <= 2 or any(isinstance(p, FakeTensor) for p in lm.parameters()):
+        return False
+    training = {m: m.training for m in lm.modules()}
+    lm.eval()  # dropout and sampled routing off: the two runs must draw nothing
+    try:
+        plain, padded = (_run_probe(lm, batch, c)[0] for c in (_ProbeCache(), _PaddedProbeCache(ctx - 2)))
+    finally:
+        for m, mode in training.items():
+            m.training = mode
+    return not torch.allclose(plain, padded, rtol=1e-4, atol=1e-5)
 
 
 def state_shapes(model: nn.Module, batch: int, ctx: int) -> dict[str, tuple[int, ...]]:
@@ -101,9 +149,15 @@ def state_shapes(model: nn.Module, batch: int, ctx: int) -> dict[str, tuple[int,
                                    f"cache in a way the walk does not know ({type(e).__name__}: "
                                    f"{one_line(e, 160)})") from None
     shapes = cached[batch]
+    reads_length = lm.__dict__.setdefault("_remat_reads_cache_length", {})  # ctx -> the answer, asked once
+    if ctx not in reads_length:
+        reads_length[ctx] = any(k.startswith("k.") for k in shapes) and _reads_cache_length(lm, 1, ctx)
+    if reads_length[ctx]:
+        raise UnsupportedModel(f"the walk path does not support {lm.config.model_type}: its attention masks by the "
+                               "cache's length, not by positions (the walk's cache holds the whole window)")
     layers = decoder_layers(lm)
     for i, layer in enumerate(layers):
-        if f"recurrent.{i}" in shapes and (cls := _without_initial_state(layer)):
+        if any(k.split(".")[:2] == ["recurrent", str(i)] for k in shapes) and (cls := _without_initial_state(layer)):
             raise UnsupportedModel(f"the walk path does not support {cls} layers: their sequence scan does not "
                                    "start from the state carried in from the previous chunk")
     if not shapes:
@@ -139,25 +193,27 @@ class WalkCache:
 
     # gated delta-net layers
     def get_conv_state(self, layer_idx: int, state_idx: int = 0) -> torch.Tensor:
-        return self.state[f"conv.{layer_idx}"]
+        return self.state[_name("conv", layer_idx, state_idx)]
 
     def get_recurrent_state(self, layer_idx: int, state_idx: int = 0) -> torch.Tensor:
         # A copy: the delta rule's backward needs the state as it was at the chunk's start,
         # and this chunk overwrites the buffer in place (autograd refuses a saved tensor that
         # changed). The copy reads the buffer before that write, so the rewrite keeps it.
-        return self.state[f"recurrent.{layer_idx}"].clone()
+        return self.state[_name("recurrent", layer_idx, state_idx)].clone()
 
     def is_recording_past(self, layer_idx: int) -> bool:
         return False
 
-    def update_conv_state(self, conv_input: torch.Tensor, layer_idx: int, conv_kernel_size: int, **kwargs):
-        conv = self.state[f"conv.{layer_idx}"]
+    def update_conv_state(self, conv_input: torch.Tensor, layer_idx: int, conv_kernel_size: int, state_idx: int = 0,
+                          **kwargs):
+        conv = self.state[_name("conv", layer_idx, state_idx)]
         full = torch.cat([conv, conv_input], dim=-1)  # the previous chunk's last columns, then this chunk
         conv.copy_(full[..., -conv_kernel_size:].detach())
         return full
 
-    def update_recurrent_state(self, recurrent: torch.Tensor, layer_idx: int, **kwargs) -> torch.Tensor:
-        state = self.state[f"recurrent.{layer_idx}"]
+    def update_recurrent_state(self, recurrent: torch.Tensor, layer_idx: int, state_idx: int = 0,
+                               **kwargs) -> torch.Tensor:
+        state = self.state[_name("recurrent", layer_idx, state_idx)]
         state.copy_(recurrent.detach())
         return state
 
@@ -182,13 +238,15 @@ class ExactWalkCache(WalkCache):
                 self.state[v].index_copy(2, self.positions, value_states))
 
     def get_recurrent_state(self, layer_idx: int, state_idx: int = 0) -> torch.Tensor:
-        return self.state[f"recurrent.{layer_idx}"]  # nothing overwrites it in this step
+        return self.state[_name("recurrent", layer_idx, state_idx)]  # nothing overwrites it in this step
 
-    def update_conv_state(self, conv_input: torch.Tensor, layer_idx: int, conv_kernel_size: int, **kwargs):
-        full = torch.cat([self.state[f"conv.{layer_idx}"], conv_input], dim=-1)
-        self.made[f"conv.{layer_idx}"] = full[..., -conv_kernel_size:]
+    def update_conv_state(self, conv_input: torch.Tensor, layer_idx: int, conv_kernel_size: int, state_idx: int = 0,
+                          **kwargs):
+        full = torch.cat([self.state[_name("conv", layer_idx, state_idx)], conv_input], dim=-1)
+        self.made[_name("conv", layer_idx, state_idx)] = full[..., -conv_kernel_size:]
         return full
 
-    def update_recurrent_state(self, recurrent: torch.Tensor, layer_idx: int, **kwargs) -> torch.Tensor:
-        self.made[f"recurrent.{layer_idx}"] = recurrent
+    def update_recurrent_state(self, recurrent: torch.Tensor, layer_idx: int, state_idx: int = 0,
+                               **kwargs) -> torch.Tensor:
+        self.made[_name("recurrent", layer_idx, state_idx)] = recurrent
         return recurrent

@@ -148,15 +148,18 @@ def _config_from_dict(d: dict) -> transformers.PretrainedConfig:
         raise ModelError(f"bad config for model_type '{model_type}': {one_line(e)}") from None
 
 
-def _with_layers(config: transformers.PretrainedConfig, num_layers: int) -> transformers.PretrainedConfig:
+def with_layers(config: transformers.PretrainedConfig, num_layers: int) -> transformers.PretrainedConfig:
+    """The config at another depth; per-layer lists (`layer_types`, `mlp_layer_types`, ...) keep their repeating
+    pattern (3 linear : 1 full for qwen3.5)."""
     if num_layers < 1:
         raise ModelError(f"num_layers must be at least 1, not {num_layers}")
     d = config.to_dict()
-    d["num_hidden_layers"] = num_layers
-    if d.get("layer_types"):
-        # Keep the repeating pattern (3 linear : 1 full for qwen3.5) at the new depth.
-        old = d["layer_types"]
-        d["layer_types"] = [old[i % len(old)] for i in range(num_layers)]
+    key = getattr(config, "attribute_map", {}).get("num_hidden_layers", "num_hidden_layers")
+    old = d.get(key)
+    d[key] = num_layers
+    for k, v in d.items():
+        if "layer" in k and isinstance(v, list) and v and len(v) == old:
+            d[k] = [v[i % len(v)] for i in range(num_layers)]
     return _config_from_dict(d)
 
 
@@ -222,7 +225,7 @@ def load_config(spec: str | None, *, num_layers: int | None = None) -> transform
     else:
         config = _read_json_config(target)
     if num_layers is not None:
-        config = _with_layers(config, num_layers)
+        config = with_layers(config, num_layers)
     return config
 
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import ctypes
-from collections.abc import Iterator
+from collections.abc import Iterator, Set
 from dataclasses import asdict, dataclass
 
 import torch
@@ -68,15 +68,12 @@ def _output_nodes(graph: fx.Graph) -> list[fx.Node]:
     return list(out.all_input_nodes)
 
 
-def _lifetimes(tg: TrainGraph, outputs: bool = False
-               ) -> tuple[list[fx.Node], dict[StorageWeakRef, tuple[fx.Node, int, int]]]:
-    """Each graph-allocated storage: (the node that made it, bytes, position after which it is freed).
-    With `outputs`, the step's outputs made by the graph count too, alive from their maker to the end."""
+def _lifetimes(tg: TrainGraph) -> tuple[list[fx.Node], dict[StorageWeakRef, tuple[fx.Node, int, int]], set]:
+    """Each graph-allocated storage: (the node that made it, bytes, position after which it is freed); and
+    which of them are the step's outputs (alive from their maker to the end)."""
     nodes = list(tg.graph.nodes)
     excluded = {s for n in nodes if n.op == "placeholder" for s in _storages(n)}
     kept = {s for n in _output_nodes(tg.graph) for s in _storages(n)} - excluded
-    if not outputs:
-        excluded |= kept
     pos = {n: i for i, n in enumerate(nodes)}
     life: dict[StorageWeakRef, tuple[fx.Node, int, int]] = {}
     for n in nodes:
@@ -85,18 +82,24 @@ def _lifetimes(tg: TrainGraph, outputs: bool = False
             if s not in excluded:
                 maker, size, end = life.get(s, (n, _nbytes(s, n), 0))
                 life[s] = (maker, size, len(nodes) if s in kept else max(end, dies))
-    return nodes, life
+    return nodes, life, kept
 
 
 def live_at_peak(tg: TrainGraph, outputs: bool = False) -> tuple[int, fx.Node | None, list[tuple[fx.Node, int]]]:
     """The peak of graph-allocated bytes (with `outputs`, and the outputs made so far), the node where it is
     reached, and what is live then."""
-    nodes, life = _lifetimes(tg, outputs)
+    nodes, life, kept = _lifetimes(tg)
+    return _sweep(nodes, life, frozenset() if outputs else kept)
+
+
+def _sweep(nodes: list[fx.Node], life: dict[StorageWeakRef, tuple[fx.Node, int, int]], skip: Set
+           ) -> tuple[int, fx.Node | None, list[tuple[fx.Node, int]]]:
     made_at: dict[fx.Node, list[StorageWeakRef]] = {}
     frees_at: dict[int, list[StorageWeakRef]] = {}
     for s, (maker, _, end) in life.items():
-        made_at.setdefault(maker, []).append(s)
-        frees_at.setdefault(end, []).append(s)
+        if s not in skip:
+            made_at.setdefault(maker, []).append(s)
+            frees_at.setdefault(end, []).append(s)
     live: set[StorageWeakRef] = set()
     total = peak = 0
     peak_node, peak_set = None, set()
@@ -140,14 +143,15 @@ def plan(tg: TrainGraph) -> Plan:
     params = sum(t.numel() * t.element_size() for t in trainable)
     largest = max((t.numel() * t.element_size() for t in trainable), default=0)
     grads_before = max(0, params - _made_grads(tg))  # grads held before the step starts (a walk's sums)
+    nodes, life, kept = _lifetimes(tg)  # one walk over the storages for both peaks
     return Plan(
         params=params,
         frozen=_role_bytes(tg, "frozen") + _role_bytes(tg, "buffer"),
         grads=params,
         optimizer=2 * 4 * max(zero_shards([t.numel() for t in trainable], _WORLD.get())),
-        graph=graph_peak(tg),
+        graph=_sweep(nodes, life, kept)[0],
         cache=_role_bytes(tg, "state") + tg.info.get("saved_states", 0),
-        step=live_at_peak(tg, outputs=True)[0] + grads_before,
+        step=_sweep(nodes, life, frozenset())[0] + grads_before,
         workspace=3 * largest,  # torch's single-tensor AdamW (CPU): sqrt, quotient and sum of one parameter
     )
 

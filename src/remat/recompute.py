@@ -30,7 +30,7 @@ from torch import fx
 from torch.fx._lazy_graph_module import _LazyGraphModule
 
 from remat import alias
-from remat.capture import fake_values
+from remat.capture import copied_value
 from remat.graph import TrainGraph, interpret, tensors_in
 from remat.marks import mark_name
 from remat.policies import Policy, layer_index, layer_marks
@@ -161,14 +161,16 @@ class Rewriter:
         return new, env, clones
 
     def _fake_values(self, fresh: list[fx.Node], origin: dict[fx.Node, object]) -> None:
-        """`capture.fake_values` for `fresh`, reusing the value an earlier rewrite made from the same inputs:
+        """`capture.copied_value` for `fresh`, reusing the value an earlier rewrite made from the same inputs:
         within one graph, `origin` (a clone's key, a backward node's original) names one node."""
         for n in fresh:
             inputs = [a.meta["val"] for a in n.all_input_nodes]
             key = (origin[n], *map(id, inputs))  # the entry holds its inputs: their ids stay theirs
             if key not in self.values:
-                fake_values([n])
-                self.values[key] = (inputs, n.meta["val"])
+                made = origin[n]  # a clone's key (the original, its region), or a backward node's original
+                original = made[0] if isinstance(made, tuple) else made
+                assert isinstance(original, fx.Node)
+                self.values[key] = (inputs, copied_value(original, n))
             n.meta["val"] = self.values[key][1]
 
 

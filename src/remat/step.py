@@ -7,14 +7,16 @@ their graph and its plans here, so a setting changes the graph the same way ever
 from __future__ import annotations
 
 import bisect
+import contextlib
 import itertools
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 from torch import nn
+from torch._subclasses.fake_tensor import FakeTensor
 
-from remat import adapters, models, policies, walk
+from remat import adapters, models, policies, stamp, walk
 from remat.capture import EagerStridesFakeMode, capture
 from remat.graph import TrainGraph
 from remat.plan import Plan, mib, plan
@@ -84,7 +86,14 @@ def _trace(model: nn.Module, shape: StepShape) -> TrainGraph:
         return walk.capture_chunk(model, shape.batch, shape.ctx, shape.ubatch, loss_chunk=shape.loss_chunk,
                                   exact=shape.walk != "truncated")
     ids = torch.zeros(shape.batch, shape.ctx, dtype=torch.long)
-    return capture(model, ids, ids.clone(), loss_chunk=shape.loss_chunk)  # two tensors: two inputs
+
+    def whole() -> TrainGraph:
+        return capture(model, ids, ids.clone(), loss_chunk=shape.loss_chunk)  # two tensors: two inputs
+
+    if any(isinstance(p, FakeTensor) for p in model.parameters()):  # only planned, never run: stamp its layers
+        with contextlib.suppress(stamp.NotStampable):
+            return stamp.stamp(model, whole)
+    return whole()
 
 
 def plans(model: nn.Module, shape: StepShape, which: tuple[str, ...] = ("off", "on")) -> dict[str, Plan]:

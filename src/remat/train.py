@@ -108,6 +108,7 @@ class Receipt:
 
 def finetune(s: TrainSettings, *, progress: bool = True, hooks: Hooks | None = None) -> Receipt:
     """Train as `s` says and return the receipt; under torchrun, on every rank (see `remat.distributed`)."""
+    distributed.from_env().local(s)  # a batch that does not split ends every rank before any joins (no race)
     with distributed.group(s.dist_timeout) as ranks:
         return _finetune(s, ranks, progress=progress and ranks.is_main, hooks=hooks or Hooks())
 

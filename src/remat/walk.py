@@ -21,16 +21,15 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Iterator
-from typing import Any, cast
 
 import torch
 from torch import nn
-from torch._subclasses.fake_tensor import DataDependentOutputException
+from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicOutputShapeException
 
 from remat import alias
-from remat.capture import Seeded, into, trace
+from remat.capture import Seeded, into, reads_values, trace
 from remat.graph import StepInputs, TrainGraph
-from remat.hf import UnsupportedModel, causal_lm, model_loss, prepare
+from remat.hf import UnsupportedModel, decoder_of, model_loss, prepare
 from remat.hf_cache import ExactWalkCache, WalkCache, state_shapes
 
 KV = ("k.", "v.")  # cache names of attention layers' keys and values; the others are carried states
@@ -112,9 +111,9 @@ def capture_chunk(model: nn.Module, batch: int, ctx: int, ubatch: int, *, loss_c
             "loss_chunk": loss_chunk, "saved_states": starts}
     try:
         tg = trace(model, loss, inputs, info=info, accumulate=True)  # one set of grads: the window's sums
-    except DataDependentOutputException:
-        raise UnsupportedModel(f"the walk path does not support {cast(Any, model).config.model_type}: with a cache its "
-                               "positions depend on the data (learned positions read from the cache)") from None
+    except (DataDependentOutputException, DynamicOutputShapeException) as e:
+        # with a cache: learned positions read from the cache's length (MPT, XGLM), or routing read as values
+        raise UnsupportedModel(f"the walk path does not support {reads_values(model, e)}") from None
     if exact and (random := next((n for n in tg.graph.nodes if alias.is_random(n)), None)):
         raise UnsupportedModel(f"the walk path does not support random ops in the exact walk ({random.target}: "
                                "dropout, sampled routing): its forward sweep and each chunk's recompute would draw "
@@ -167,7 +166,7 @@ class Walk:
     def forward_sweep(self, input_ids: torch.Tensor, before_chunk: Callable[[], None]) -> list[dict[str, torch.Tensor]]:
         """Run the decoder over the chunks in order, without grad: write the window's K/V rows into the
         cache, and return each chunk's start state (conv, recurrent)."""
-        decoder = causal_lm(self.model).get_decoder()
+        decoder = decoder_of(self.model)
         start_states = []
         with torch.no_grad():
             for start in range(0, self.ctx, self.ubatch):

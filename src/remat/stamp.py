@@ -1,0 +1,384 @@
+"""The step of an N-layer model, stamped from the trace of its first five layers (plans only).
+
+Decoder layers of one type are one function on different weights, so tracing all N of them repeats the
+same work N times (most of `remat plan`'s time). Here the model is traced with its first `TRACED` layers;
+layers 1, 2 and 3 of that trace are checked to be the same graph (op for op, each argument playing the
+same part: its own layer's node, the layer below's output, its own parameter, a shared node), forward
+and backward. Layer 2's forward and backward are then copied for layers 2..N-3, on that layer's
+parameters, between the traced layers 0-1 and the traced last two (renumbered N-2 and N-1). The result
+is the graph the whole trace makes, node for node (`tests/test_stamp.py` holds that on every family of
+the conformance matrix); a model whose layers are not all alike, or whose trace does not split into
+layers this way, is traced whole (`stamp` raises NotStampable).
+
+Only plans use it: a stamped graph is never run (its model has fake weights), so a layer that differs
+beyond what the checks see could misplan memory but never change training.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import re
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+from torch import fx, nn
+from torch._subclasses.fake_tensor import FakeTensor
+from torch.fx._lazy_graph_module import _LazyGraphModule
+from torch.multiprocessing.reductions import StorageWeakRef
+
+from remat.capture import copied_value
+from remat.graph import StepInputs, TrainGraph, tensors_in
+from remat.hf import decoder_layers, prepare
+from remat.marks import LAYER_MARK, MARK_OP
+from remat.policies import layer_index
+
+TRACED = 5  # layers 0, 1 (below the copies), 2 (the copied one), 3, 4 (the last two); 1 and 3 check 2
+
+
+class NotStampable(Exception):
+    """The trace does not split into alike layers: trace the model whole."""
+
+
+def stamp(model: nn.Module, trace_small: Callable[[], TrainGraph]) -> TrainGraph:
+    """The whole model's step from `trace_small()` (the same trace, made while the model has its first
+    TRACED decoder layers); NotStampable, with why, when the model must be traced whole."""
+    prepare(model)  # the layer marks are numbered by the whole list, before it is cut
+    layers = decoder_layers(model)
+    n = len(layers)
+    if n <= TRACED + 1:
+        raise NotStampable(f"{n} layers: too few to copy one")
+    signatures = [_signature(m) for m in layers]
+    for i, sig in enumerate(signatures[2:], 2):
+        if sig != signatures[1]:
+            raise NotStampable(f"its layers are not all alike: {_difference(signatures[1], sig)} (layers 1, {i})")
+    prefix = _qualified_name(model, layers)
+    with _first_layers(layers, TRACED):
+        small = trace_small()
+    return _Stamper(small, prefix, n, StepInputs.of(model)).graph()
+
+
+# ---------------------------------------------------------------------------------------------- layers
+
+
+_POSITION = re.compile(r"layer_?(idx|id|index|number)|block_?(idx|id)")
+
+
+def _signature(layer: nn.Module) -> tuple:
+    """What can make two layers different functions: module classes, parameter and buffer shapes, and the
+    plain settings the modules keep (sliding window or not, layer type, ...), its own position aside."""
+    parts: list = []
+    for name, m in layer.named_modules():
+        settings = sorted((k, repr(v)) for k, v in vars(m).items()
+                          if not k.startswith("_") and not _POSITION.fullmatch(k) and k != "training"
+                          and isinstance(v, (int, float, str, bool, type(None), tuple, list)))
+        tensors = [(k, tuple(t.shape), t.dtype, t.requires_grad)
+                   for k, t in [*m.named_parameters(recurse=False), *m.named_buffers(recurse=False)]]
+        parts.append((name, type(m).__qualname__, tuple(settings), tuple(tensors)))
+    return tuple(parts)
+
+
+def _difference(a: tuple, b: tuple) -> str:
+    """What differs between two layer signatures, in a few words."""
+    for (name, cls, settings, tensors), (name_b, cls_b, settings_b, tensors_b) in zip(a, b):
+        where = name or "the layer"
+        if (name, cls) != (name_b, cls_b):
+            return f"{where}: {cls} / {name_b or 'the layer'}: {cls_b}"
+        keys = sorted({k for k, _ in set(settings) ^ set(settings_b)})
+        if keys:
+            return f"{where} {', '.join(keys)}"
+        if tensors != tensors_b:
+            return f"{where}'s weights"
+    return "their module trees"
+
+
+def _qualified_name(model: nn.Module, layers: nn.ModuleList) -> str:
+    return next(name for name, m in model.named_modules() if m is layers)
+
+
+@contextlib.contextmanager
+def _first_layers(layers: nn.ModuleList, k: int) -> Iterator[None]:
+    """The decoder runs its first k layers only (the model iterates over its layer list; slices of it by the
+    configured depth stop at the list's end)."""
+    saved = dict(layers._modules)
+    layers._modules = {key: m for i, (key, m) in enumerate(saved.items()) if i < k}
+    try:
+        yield
+    finally:
+        layers._modules = saved
+
+
+# ---------------------------------------------------------------------------------------------- segments
+
+
+@dataclass
+class Segments:
+    """The small trace split by layer: forward F[i] runs from after mark i-1 through mark i (F[0] from the
+    first node). A backward node belongs to the earliest layer it reads (a mark counts as the next layer's
+    input), and backward B[i] runs from the first node of layer i to the first of layer i-1, i = 1..4."""
+
+    forward: list[list[fx.Node]]
+    backward: dict[int, list[fx.Node]]
+    layer_of: dict[fx.Node, tuple[str, int]]  # node -> ("F" or "B", layer) for nodes in a segment
+
+
+def _segments(tg: TrainGraph, numbering: Numbering) -> Segments:
+    fwd = [n for n in tg.forward_nodes() if n.op != "placeholder"]
+    ends = [i for i, n in enumerate(fwd) if layer_index(n) is not None]
+    if [layer_index(fwd[i]) for i in ends] != list(range(TRACED)):
+        raise NotStampable("the layer marks are not 0..4 in order")
+    forward = [fwd[(ends[i - 1] + 1 if i else 0):ends[i] + 1] for i in range(TRACED)]
+    layer_of = {n: ("F", i) for i, seg in enumerate(forward) for n in seg}
+    names = dict(zip(tg.placeholders(), tg.names))
+    # a layer's mark is the next layer's input: the backward nodes that read it belong to the next layer
+    label: dict[fx.Node, int] = {n: i + (layer_index(n) is not None) for n, (_, i) in layer_of.items()}
+    for p, name in names.items():
+        i = numbering.layer(name)
+        if i is not None:
+            label[p] = i
+    fset = tg.forward_set()
+    backward_nodes = [n for n in tg.graph.nodes if n not in fset and n.op != "output"]
+    first: dict[int, int] = {}
+    for at, n in enumerate(backward_nodes):
+        reads = [label[a] for a in n.all_input_nodes if a in label]
+        if reads:
+            label[n] = min(reads)
+            first.setdefault(label[n], at)
+    starts = [first.get(i, -1) for i in range(TRACED - 1, -1, -1)]  # layers 4, 3, 2, 1, 0
+    if sorted(starts) != starts or starts[0] < 0:
+        raise NotStampable("the backward does not run layer by layer")
+    backward = {TRACED - 1 - k: backward_nodes[starts[k]:starts[k + 1]] for k in range(TRACED - 1)}
+    layer_of.update((n, ("B", i)) for i, seg in backward.items() for n in seg)
+    return Segments(forward, backward, layer_of)
+
+
+class Numbering:
+    """Layer numbers in tensor names: `{decoder list}.{i}.` (`model.layers.3.mlp.up_proj.weight`)."""
+
+    def __init__(self, layers_name: str):
+        self.pattern = re.compile(rf"(?:^|\.){re.escape(layers_name)}\.(\d+)\.")
+
+    def layer(self, name: str) -> int | None:
+        m = self.pattern.search(name)
+        return int(m[1]) if m else None
+
+    def renumber(self, name: str, to: int) -> str:
+        m = self.pattern.search(name)
+        assert m is not None, name
+        return name[:m.start(1)] + str(to) + name[m.end(1):]
+
+
+# ---------------------------------------------------------------------------------------------- stamping
+
+
+class _Stamper:
+    def __init__(self, small: TrainGraph, prefix: str, n: int, full: StepInputs):
+        self.small, self.n, self.full = small, n, full
+        self.name_of = dict(zip(small.placeholders(), small.names))
+        self.numbering = Numbering(prefix)
+        self.seg = _segments(small, self.numbering)
+        self.index = {node: i for seg in [*self.seg.forward, *self.seg.backward.values()]
+                      for i, node in enumerate(seg)}
+        for a, b in ((("F", 1), ("F", 2)), (("F", 2), ("F", 3)), (("B", 1), ("B", 2)), (("B", 2), ("B", 3))):
+            self._check_alike(a, b)
+
+    # Each argument of a layer's node, by the part it plays; two layers are alike when every node's are equal.
+    def _role(self, arg: object, layer: int) -> object:
+        if not isinstance(arg, fx.Node):
+            return LAYER_MARK if arg == f"{LAYER_MARK}.{layer}" else arg
+        where = self.seg.layer_of.get(arg)
+        if where is None:
+            if arg.op == "placeholder":
+                name = self.name_of[arg]
+                i = self.numbering.layer(name)
+                if i is None:
+                    return ("param", name)
+                return ("param", self.numbering.renumber(name, 0), i - layer)
+            return ("shared", arg)
+        seg_kind, i = where
+        if (seg_kind, i) == ("F", 0) and arg is not self.seg.forward[0][-1]:
+            return ("shared", arg)  # the first segment holds what comes before the layers too (rope, masks)
+        seg = self.seg.forward[i] if seg_kind == "F" else self.seg.backward[i]
+        return (seg_kind, i - layer, self.index[arg] - len(seg))  # counted from the segment's end
+
+    def _roles(self, node: fx.Node, layer: int) -> tuple:
+        return node.op, node.target, _mapped((node.args, node.kwargs), lambda a: self._role(a, layer))
+
+    def _segment(self, kind: str, layer: int) -> list[fx.Node]:
+        return self.seg.forward[layer] if kind == "F" else self.seg.backward[layer]
+
+    def _check_alike(self, a: tuple[str, int], b: tuple[str, int]) -> None:
+        sa, sb = self._segment(*a), self._segment(*b)
+        if len(sa) != len(sb):
+            raise NotStampable(f"{a} and {b} differ in length")
+        for x, y in zip(sa, sb):
+            if self._roles(x, a[1]) != self._roles(y, b[1]):
+                raise NotStampable(f"layers {a[1]} and {b[1]} differ at {x.name} / {y.name}")
+
+    # ------------------------------------------------------------------ the whole graph
+    def graph(self) -> TrainGraph:
+        small = self.small
+        new = fx.Graph()
+        env: dict[tuple[fx.Node, int], fx.Node] = {}  # (small node, the layer it stands for) -> new node
+        places = self._placeholders(new)
+        order = self._order()
+        for node, layer in order:
+            copied = env[node, layer] = new.node_copy(node, functools.partial(self._read, at=layer, reader=node,
+                                                                                env=env, places=places))
+            if node.target is MARK_OP and layer_index(node) is not None:
+                copied.args = (copied.args[0], f"{LAYER_MARK}.{layer}")
+        out_small = next(x for x in small.graph.nodes if x.op == "output")
+        new.output(self._outputs(out_small, env))
+        self._values(new, order, env)
+        gm = _LazyGraphModule(small.gm, new)  # its code is made on its first call: a plan never pays for it
+        last = next(layer for node, layer in order if node is small.boundary)
+        return TrainGraph(gm=gm, roles=self._roles_full(), names=self._names_full(),
+                          boundary=env[small.boundary, last], info=small.info)
+
+    def _layer_map(self, i: int, copy: int | None) -> int:
+        """The layer a small-trace layer stands for: 0, 1 as they are; 2 as the copy; 3, 4 as the last two."""
+        return {0: 0, 1: 1, 2: copy if copy is not None else 2, 3: self.n - 2, 4: self.n - 1}[i]
+
+    def _order(self) -> list[tuple[fx.Node, int]]:
+        """Every small-trace node (placeholders aside) with the layer it stands for, in the stamped order."""
+        s, n = self.seg, self.n
+        order: list[tuple[fx.Node, int]] = []
+        f2, b2 = set(s.forward[2]), set(s.backward[2])
+        for node in self.small.graph.nodes:
+            if node.op in ("placeholder", "output") or node in b2:
+                continue
+            if node in f2:
+                if node is s.forward[2][0]:
+                    order += [(x, k) for k in range(2, n - 2) for x in s.forward[2]]
+                continue
+            if node is s.backward[3][-1]:
+                order.append((node, n - 2))
+                order += [(x, k) for k in range(n - 3, 1, -1) for x in s.backward[2]]
+                continue
+            order.append(self._key(node, -1))
+        return order
+
+    def _read(self, arg: fx.Node, *, at: int, reader: fx.Node, env: dict, places: dict[str, fx.Node]) -> fx.Node:
+        """The new node that `reader`, standing for layer `at`, reads for the small-trace node `arg`."""
+        if arg.op == "placeholder":
+            name = self.name_of[arg]
+            i = self.numbering.layer(name)
+            if i is not None:
+                name = self.numbering.renumber(name, self._layer_map(i, at if i == 2 else None))
+            return places[name]
+        where = self.seg.layer_of.get(arg)
+        reader_where = self.seg.layer_of.get(reader)
+        if reader_where is not None and reader_where[1] == 2 and where is not None and where[1] in (1, 3):
+            arg, at = self._neighbour(arg, where, at)  # a copy reads the layer below or above it
+            where = self.seg.layer_of.get(arg)
+        if where is None or where[1] != 2:
+            key = self._key(arg, at)
+            if key not in env:
+                raise NotStampable(f"{reader.name} reads {arg.name} out of order")
+            return env[key]
+        # a node of the copied layer: which copy is read follows from the reader's layer and the segments
+        if reader_where is not None and reader_where[1] == 2:
+            return env[arg, at]  # within one copy
+        if reader_where in (("F", 3), ("B", 3)):
+            return env[arg, self.n - 3]  # layer N-2 reads the top copy
+        if reader_where == ("B", 1) and where[0] == "B":
+            return env[arg, 2]  # layer 1's backward reads the bottom copy's
+        raise NotStampable(f"{reader.name} reads the copied layer's {arg.name}")
+
+    def _neighbour(self, arg: fx.Node, where: tuple[str, int], at: int) -> tuple[fx.Node, int]:
+        """What copy `at` reads for `arg` of traced layer 1 or 3: that node itself when the layer next to the
+        copy is the traced one, else the same node (counted from its segment's end) of the next copy."""
+        kind, i = where
+        to = at + i - 2
+        if to == self._layer_map(i, None):
+            return arg, to
+        seg = self._segment(kind, i)
+        return self._segment(kind, 2)[self.index[arg] - len(seg)], to
+
+    # ------------------------------------------------------------------ placeholders and outputs
+    def _names_full(self) -> list[str]:
+        inputs = self.small.names[len(self.small.names) - self._n_inputs():]
+        return [*self.full.trainable, *self.full.frozen, *self.full.buffers, *inputs]
+
+    def _n_inputs(self) -> int:
+        return sum(r in ("input", "state", "grad") for r in self.small.roles)
+
+    def _roles_full(self) -> list[str]:
+        f = self.full
+        return (["trainable"] * len(f.trainable) + ["frozen"] * len(f.frozen) + ["buffer"] * len(f.buffers)
+                + self.small.roles[len(self.small.roles) - self._n_inputs():])
+
+    def _placeholders(self, new: fx.Graph) -> dict[str, fx.Node]:
+        small_vals = {name: p.meta["val"] for p, name in zip(self.small.placeholders(), self.small.names)}
+        mode = next(v.fake_mode for v in small_vals.values() if isinstance(v, FakeTensor))
+        tensors = {**self.full.trainable, **self.full.frozen, **self.full.buffers}
+        places = {}
+        for i, name in enumerate(self._names_full()):
+            p = new.placeholder(f"arg{i}_1")  # make_fx's names
+            t = tensors.get(name)
+            p.meta["val"] = small_vals[name] if t is None else t if isinstance(t, FakeTensor) else mode.from_tensor(t)
+            places[name] = p
+        return places
+
+    def _key(self, node: fx.Node, layer: int) -> tuple[fx.Node, int]:
+        """A new node's key: a copied-layer node with the layer it is copied for, any other small-trace node
+        with the layer it stands for (-1 outside the layers)."""
+        where = self.seg.layer_of.get(node)
+        if where is not None and where[1] == 2:
+            return node, layer
+        return node, self._layer_map(where[1], None) if where else -1
+
+    def _outputs(self, out: fx.Node, env: dict) -> tuple:
+        results = [r for r in out.args[0] if isinstance(r, fx.Node)]  # type: ignore[union-attr]
+        if len(results) != len(out.args[0]):  # type: ignore[arg-type]
+            raise NotStampable("a grad that is not a graph value")
+        loss, *grads = results
+        by_name = dict(zip(self.small.names, grads))  # trainables come first, in the order of the grads
+        new = [env[self._key(loss, -1)]]
+        for name in self.full.trainable:
+            i = self.numbering.layer(name)
+            if i is None:
+                g, key = by_name[name], self._key(by_name[name], -1)
+            else:
+                small_i = i if i <= 1 else TRACED - (self.n - i) if i >= self.n - 2 else 2
+                g = by_name[self.numbering.renumber(name, small_i)]
+                key = self._key(g, i)
+                if (self.seg.layer_of.get(g, ("", -1))[1] == 2) != (small_i == 2):
+                    raise NotStampable(f"the grad of {name} is not made by its own layer")
+            if key not in env:
+                raise NotStampable(f"the grad of {name} is made out of order")
+            new.append(env[key])
+        return tuple(new)
+
+    def _values(self, new: fx.Graph, order: list[tuple[fx.Node, int]], env: dict) -> None:
+        """Fake values: each copy's results in storages of their own, laid out as the original's (as a trace
+        would have made them), or in its inputs' where the original's share its inputs' (views, in-place
+        results); a traced node that shares the storage of a copy or a placeholder it reads, likewise."""
+        original = {env[node, layer]: node for node, layer in order}
+        redone = {n for n in new.nodes if n.op == "placeholder"}  # renumbered: a traced view may read another
+        for c in new.nodes:
+            o = original.get(c)
+            if o is None:
+                continue
+            if (self.seg.layer_of.get(o, ("", -1))[1] == 2
+                    or (any(a in redone for a in c.all_input_nodes) and _shares_an_input(o))):
+                c.meta["val"] = copied_value(o, c)
+                redone.add(c)
+
+
+def _storage_refs(node: fx.Node) -> list[StorageWeakRef]:
+    return [StorageWeakRef(t.untyped_storage()) for t in tensors_in(node.meta.get("val"))]
+
+
+def _shares_an_input(node: fx.Node) -> bool:
+    inputs = {r for a in node.all_input_nodes for r in _storage_refs(a)}
+    return any(r in inputs for r in _storage_refs(node))
+
+
+def _mapped(args: object, fn) -> object:
+    """`args` with every leaf mapped by `fn` (nested tuples, lists and dicts as fx keeps them)."""
+    if isinstance(args, (tuple, list)):
+        return tuple(_mapped(a, fn) for a in args)
+    if isinstance(args, dict):
+        return tuple((k, _mapped(v, fn)) for k, v in args.items())
+    return fn(args)
