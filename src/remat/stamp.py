@@ -25,12 +25,12 @@ from dataclasses import dataclass
 from torch import fx, nn
 from torch._subclasses.fake_tensor import FakeTensor
 from torch.fx._lazy_graph_module import _LazyGraphModule
-from torch.multiprocessing.reductions import StorageWeakRef
 
 from remat.capture import copied_value
-from remat.graph import StepInputs, TrainGraph, tensors_in
+from remat.graph import StepInputs, TrainGraph
 from remat.hf import decoder_layers, prepare
 from remat.marks import LAYER_MARK, MARK_OP
+from remat.plan import _storages
 from remat.policies import layer_index
 
 TRACED = 5  # layers 0, 1 (below the copies), 2 (the copied one), 3, 4 (the last two); 1 and 3 check 2
@@ -198,7 +198,7 @@ class _Stamper:
         seg_kind, i = where
         if (seg_kind, i) == ("F", 0) and arg is not self.seg.forward[0][-1]:
             return ("shared", arg)  # the first segment holds what comes before the layers too (rope, masks)
-        seg = self.seg.forward[i] if seg_kind == "F" else self.seg.backward[i]
+        seg = self._segment(seg_kind, i)
         return (seg_kind, i - layer, self.index[arg] - len(seg))  # counted from the segment's end
 
     def _roles(self, node: fx.Node, layer: int) -> tuple:
@@ -366,13 +366,9 @@ class _Stamper:
                 redone.add(c)
 
 
-def _storage_refs(node: fx.Node) -> list[StorageWeakRef]:
-    return [StorageWeakRef(t.untyped_storage()) for t in tensors_in(node.meta.get("val"))]
-
-
 def _shares_an_input(node: fx.Node) -> bool:
-    inputs = {r for a in node.all_input_nodes for r in _storage_refs(a)}
-    return any(r in inputs for r in _storage_refs(node))
+    inputs = {r for a in node.all_input_nodes for r in _storages(a)}
+    return any(r in inputs for r in _storages(node))
 
 
 def _mapped(args: object, fn) -> object:
