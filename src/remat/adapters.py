@@ -140,10 +140,20 @@ def apply_lora(model: nn.Module, s: LoraSettings, *, seed: int = 0) -> peft.Peft
 
 
 def _not_plain_linears(model: nn.Module) -> set[str]:
-    """Names of nn.Linear subclasses with a forward of their own (DeepSeek-V4's grouped projection, PhiMoE's
-    router returning a tuple): PEFT adds B·A·x to the layer's output, which fits only a forward of x @ W.T + b."""
+    """Names of nn.Linear subclasses whose forward is not a linear map of the last dimension (DeepSeek-V4's
+    grouped projection, PhiMoE's router returning a tuple): PEFT adds B·A·x to the layer's output, which fits
+    only a forward of x @ W.T + b. A forward of their own that keeps that shape (Falcon's) is plain."""
     return {name.rsplit(".", 1)[-1] for name, m in model.named_modules()
-            if isinstance(m, nn.Linear) and type(m).forward is not nn.Linear.forward}
+            if isinstance(m, nn.Linear) and type(m).forward is not nn.Linear.forward and not _maps_rows(m)}
+
+
+def _maps_rows(m: nn.Linear) -> bool:
+    try:
+        with torch.no_grad():
+            out = m(m.weight.new_zeros(1, m.in_features))
+    except Exception:  # noqa: BLE001 - a forward that wants another input is not a plain linear layer
+        return False
+    return isinstance(out, torch.Tensor) and tuple(out.shape) == (1, m.out_features)
 
 
 def _peft_refused(model: nn.Module) -> set[str]:
