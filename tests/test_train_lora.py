@@ -116,3 +116,29 @@ def test_export_merge_writes_a_loadable_model(tmp_path):
                          capture_output=True, text=True, check=False)
     assert bad.returncode == 2 and "Traceback" not in bad.stderr and "error" in bad.stderr
     assert torch.is_tensor(next(merged.parameters()))
+
+
+def test_latest_checkpoint_of_a_folder_being_deleted_is_none_found(tmp_path):
+    """A finished job's checkpoints are deleted while GET /train/<id> may be looking for the latest one:
+    the lookup answers "no checkpoint" (CheckpointError), never a FileNotFoundError (the server's 500)."""
+    import shutil
+    import threading
+
+    root, stop = tmp_path / "job", threading.Event()
+
+    def churn():
+        while not stop.is_set():  # the folder comes and goes, as fast as it can
+            root.mkdir(exist_ok=True)
+            shutil.rmtree(root, ignore_errors=True)
+
+    thread = threading.Thread(target=churn)
+    thread.start()
+    try:
+        for _ in range(20000):
+            try:
+                checkpoints.latest(root)
+            except checkpoints.CheckpointError:
+                pass
+    finally:
+        stop.set()
+        thread.join()

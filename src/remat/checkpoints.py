@@ -55,7 +55,11 @@ def latest(path: str | os.PathLike) -> Checkpoint:
         raise CheckpointError(f"--resume {root}: no such folder")
     if (root / STATE).is_file() and (m := _NAME.fullmatch(root.name)):
         return Checkpoint(root, int(m[1]))
-    found = sorted((int(m[1]), p) for p in root.iterdir() if (m := _NAME.fullmatch(p.name)) and (p / STATE).is_file())
+    try:  # the folder can be removed while we look (a finished job's checkpoints are deleted)
+        found = sorted((int(m[1]), p) for p in root.iterdir()
+                       if (m := _NAME.fullmatch(p.name)) and (p / STATE).is_file())
+    except FileNotFoundError:
+        raise CheckpointError(f"--resume {root}: no such folder") from None
     if not found:
         raise CheckpointError(f"--resume {root}: no complete checkpoint-<step> folder in it")
     step, best = found[-1]
