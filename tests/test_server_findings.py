@@ -308,7 +308,10 @@ def test_checkpoints_pruned_and_files_readable(server):
     folder = server.state_dir / "jobs" / job_id
     most, seen = 0, set()
     while server.job(job_id)["status"] not in ("succeeded", "failed", "cancelled"):
-        found = {p.name for p in folder.glob("checkpoint-*")} if folder.is_dir() else set()
+        try:  # the job's folder goes when it ends
+            found = {p.name for p in folder.glob("checkpoint-*")}
+        except FileNotFoundError:
+            found = set()
         most, seen = max(most, len(found)), seen | found
         time.sleep(0.005)
     done = server.job(job_id)

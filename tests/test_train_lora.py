@@ -121,6 +121,7 @@ def test_export_merge_writes_a_loadable_model(tmp_path):
 def test_latest_checkpoint_of_a_folder_being_deleted_is_none_found(tmp_path):
     """A finished job's checkpoints are deleted while GET /train/<id> may be looking for the latest one:
     the lookup answers "no checkpoint" (CheckpointError), never a FileNotFoundError (the server's 500)."""
+    import contextlib
     import shutil
     import threading
 
@@ -135,10 +136,8 @@ def test_latest_checkpoint_of_a_folder_being_deleted_is_none_found(tmp_path):
     thread.start()
     try:
         for _ in range(20000):
-            try:
+            with contextlib.suppress(checkpoints.CheckpointError):
                 checkpoints.latest(root)
-            except checkpoints.CheckpointError:
-                pass
     finally:
         stop.set()
         thread.join()
