@@ -51,14 +51,12 @@ def save(out: Path, step: int, trainable: dict[str, torch.Tensor], optimizer: to
 def latest(path: str | os.PathLike) -> Checkpoint:
     """The checkpoint at `path`, or the latest complete `checkpoint-<step>` inside it."""
     root = Path(path)
-    if not root.is_dir():
-        raise CheckpointError(f"--resume {root}: no such folder")
     if (root / STATE).is_file() and (m := _NAME.fullmatch(root.name)):
         return Checkpoint(root, int(m[1]))
-    try:  # the folder can be removed while we look (a finished job's checkpoints are deleted)
+    try:  # no folder, or one removed while we look (a finished job's checkpoints are deleted)
         found = sorted((int(m[1]), p) for p in root.iterdir()
                        if (m := _NAME.fullmatch(p.name)) and (p / STATE).is_file())
-    except FileNotFoundError:
+    except (FileNotFoundError, NotADirectoryError):
         raise CheckpointError(f"--resume {root}: no such folder") from None
     if not found:
         raise CheckpointError(f"--resume {root}: no complete checkpoint-<step> folder in it")
