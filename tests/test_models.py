@@ -95,6 +95,22 @@ def test_config_of_default_comes_without_weights(smol):
     assert not hasattr(config, "quantization_config")
 
 
+def test_config_of_a_gguf_is_parsed_once(tmp_path, monkeypatch):
+    # Parsing a GGUF for its config reads every field (seconds); the second plan of a file reads it back.
+    monkeypatch.setenv("REMAT_CACHE_DIR", str(tmp_path))
+    first = load_config(None)
+    kept = models._gguf_cache_path(models.default_gguf_path()).name + ".config.json"
+    assert [p.name for p in (tmp_path / "gguf").iterdir()] == [kept]
+
+    def no_parse(*args, **kwargs):
+        raise AssertionError("the GGUF was parsed again")
+
+    monkeypatch.setattr(transformers.AutoConfig, "from_pretrained", no_parse)
+    again = load_config(None)
+    assert {**again.to_dict(), "_name_or_path": ""} == {**first.to_dict(), "_name_or_path": ""}
+    assert not hasattr(again, "quantization_config")
+
+
 def test_gguf_file_by_path(smol):
     loaded = load_model(str(models.default_gguf_path()))
     assert loaded.name == smol.name

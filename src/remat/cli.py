@@ -215,13 +215,14 @@ def cmd_plan(args: argparse.Namespace) -> int:
     s = settings_from(TrainSettings, args, recompute="auto" if which == "both" else which)
     ranks = distributed.Ranks(world_size=args.world_size, local_world_size=args.world_size)
     local = ranks.local(s)  # one rank's share of the global batch
-    limit = models.load_config(s.model).max_position_embeddings
+    config = models.load_config(s.model)
+    limit = config.max_position_embeddings
     if s.ctx > limit:  # a plan answers "would it fit"; training there is refused
         print(f"remat: note: --ctx {s.ctx} is above the model's maximum context {limit}", file=sys.stderr)
     result: dict[str, Any] = {"model": s.model or "default", "ctx": s.ctx, "batch": s.batch, "path": s.path,
                               "walk": s.walk if s.path == "walk" else None, "loss_chunk": s.loss_chunk,
                               "lora": s.lora, "world_size": ranks.world_size, "rank_batch": local.batch}
-    model = step.planning_model(models.load_config(s.model), s)
+    model = step.planning_model(config, s)
     shape = step.StepShape.of(local)
     with per_rank(ranks.world_size):  # the optimizer row: the largest rank's ZeRO share
         if which in ("budget", "auto"):

@@ -5,6 +5,7 @@ Everything is local: nothing is ever fetched from the Hugging Face hub.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import importlib.resources
 import importlib.util
@@ -19,7 +20,7 @@ import torch
 import transformers
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
-from remat.files import staged
+from remat.files import staged, staged_file
 from remat.settings import UsageError, one_line
 
 transformers.utils.logging.disable_progress_bar()  # remat draws its own progress; keep stderr readable
@@ -209,17 +210,7 @@ def load_config(spec: str | None, *, num_layers: int | None = None) -> transform
     if kind == "preset":
         config = _config_from_dict(_preset_dict(target))
     elif kind == "gguf":
-        cached = _gguf_cache_path(target)
-        if (cached / "config.json").is_file():
-            config = _read_json_config(cached / "config.json")
-        else:
-            try:
-                config = transformers.AutoConfig.from_pretrained(target.parent, gguf_file=target.name)
-            except _LOAD_ERRORS as e:
-                raise ModelError(f"cannot read GGUF '{target}': {one_line(e)}") from None
-            # The dequantized model is plain float weights; the GGUF quantization is not part of it.
-            if hasattr(config, "quantization_config"):
-                del config.quantization_config
+        config = _gguf_config(target)
     elif kind == "folder":
         config = _read_json_config(target / "config.json")
     else:
@@ -286,6 +277,27 @@ def _file_sha256(path: pathlib.Path) -> str:
 def _gguf_cache_path(path: pathlib.Path) -> pathlib.Path:
     # Keyed on content, so a replaced file never reuses a stale conversion (hashing ~100 MB takes ~0.1 s).
     return cache_dir() / "gguf" / _file_sha256(path)[:16]
+
+
+def _gguf_config(path: pathlib.Path) -> transformers.PretrainedConfig:
+    """The GGUF's config, parsed once per file: transformers reads every field (the vocabulary too) to
+    get it, seconds each time, so it is kept beside the conversion cache, keyed the same way."""
+    converted = _gguf_cache_path(path)
+    kept = converted.with_name(converted.name + ".config.json")
+    for saved in (converted / "config.json", kept):
+        if saved.is_file():
+            return _read_json_config(saved)
+    try:
+        config = transformers.AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
+    except _LOAD_ERRORS as e:
+        raise ModelError(f"cannot read GGUF '{path}': {one_line(e)}") from None
+    # The dequantized model is plain float weights; the GGUF quantization is not part of it.
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    # an unwritable cache costs the next read the parse, no more
+    with contextlib.suppress(OSError, UsageError), staged_file(kept) as tmp:
+        config.to_json_file(tmp)
+    return config
 
 
 def _convert_gguf(path: pathlib.Path, dest: pathlib.Path) -> None:
