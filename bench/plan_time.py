@@ -134,6 +134,11 @@ def _seconds(side: dict, limit: float) -> str:
     return f"over {limit:.0f}" if side["timed_out"] else f"{side['seconds']:.1f}"
 
 
+def _cold(res: dict, side: str) -> str:
+    s = res["cold_s"][side]
+    return f"over {res['limit_s']:.0f}" if s is None else f"{s:.1f}"
+
+
 def markdown(res: dict) -> str:
     limit = res["limit_s"]
     lines = [f"# `remat plan`: before ({res['before']}) and after ({res['after']})", "",
@@ -154,7 +159,7 @@ def markdown(res: dict) -> str:
               f"`python -m remat plan ... --json` process, imports included. A run over {limit:.0f} s was killed "
               "(and not repeated). Peak RSS: the process's maximum resident set (`wait4`). Same plan: both "
               "checkouts' plans (off and on) are equal, byte for byte. The first plan of the GGUF file, cache "
-              f"cold: before {res['cold_s']['before']} s, after {res['cold_s']['after']} s (after keeps the "
+              f"cold: before {_cold(res, 'before')} s, after {_cold(res, 'after')} s (after keeps the "
               "config it parses, so later plans read it back). "
               f"{res['machine']}; load average {res['loadavg_start']} at the start, {res['loadavg_end']} "
               f"at the end; {res['elapsed_s']:.0f} s in all."]
