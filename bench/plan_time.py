@@ -3,8 +3,8 @@
     python bench/plan_time.py                       # before = --before 8c470fb, the last commit before stamping
     python bench/plan_time.py --rounds 1 --limit 120 --out /tmp/plan-time
 
-"before" is a git worktree of `--before` made in a temporary folder, run with this checkout's
-environment (PYTHONPATH puts its `src` first); "after" is this checkout. For each case the two run
+"before" and "after" are git worktrees of `--before` and `--after` (default HEAD) made in a temporary
+folder, run with this checkout's environment (PYTHONPATH puts their `src` first). For each case the two run
 in turn (before, after, before, after, ...) so that a shared machine's drift hits both. A run is
 `python -m remat plan ... --json` (both plans, off and on): its wall time from start to exit, its peak
 RSS from the kernel (`wait4`'s ru_maxrss), and its plans, compared between the checkouts (the plan
@@ -96,6 +96,7 @@ def measure(checkouts: dict[str, Path], args: list[str], env: dict, rounds: int,
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--before", default="8c470fb", help="the commit to compare with (default: before stamping)")
+    p.add_argument("--after", default="HEAD", help="the commit measured against it (default: HEAD)")
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--limit", type=float, default=240.0, help="seconds a run may take before it is killed")
     p.add_argument("--out", default=str(ROOT / "bench" / "results" / "plan_time"))
@@ -103,7 +104,8 @@ def main(argv: list[str] | None = None) -> int:
     started = time.monotonic()
     load_start = [round(x, 2) for x in os.getloadavg()]
     with tempfile.TemporaryDirectory(prefix="remat-plan-time-") as tmp:
-        checkouts = {"before": worktree(args.before, Path(tmp) / "before"), "after": ROOT}
+        checkouts = {side: worktree(rev, Path(tmp) / side) for side, rev in (("before", args.before),
+                                                                               ("after", args.after))}
         env = {**os.environ, "REMAT_CACHE_DIR": str(Path(tmp) / "cache")}
         try:
             cold = {name: run_plan(src, CASES[0][1], env, args.limit)["seconds"] for name, src in checkouts.items()}
@@ -113,9 +115,9 @@ def main(argv: list[str] | None = None) -> int:
                 cases.append({"case": label, "args": plan_args,
                               **measure(checkouts, plan_args, env, args.rounds, args.limit)})
         finally:
-            subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(checkouts["before"])],
-                           check=False)
-    after_rev = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True,
+            for src in checkouts.values():
+                subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(src)], check=False)
+    after_rev = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", args.after], capture_output=True,
                                text=True, check=True).stdout.strip()
     res = {"before": args.before, "after": after_rev, "rounds": args.rounds, "limit_s": args.limit,
            "target_s": TARGET_S, "machine": f"{platform.machine()}, {os.cpu_count()} CPUs",

@@ -285,7 +285,7 @@ class Report:
     loss_rel: dict[str, float] = field(default_factory=dict)  # "off" / "on" -> vs the model's own loss
     grad_rel: dict[str, float] = field(default_factory=dict)  # worst parameter
     bitwise: bool | None = None  # recompute on == off
-    planned: int | None = None
+    planned: int | None = None  # -1: planned without the graph, the plan differs from the graph's
     measured: int | None = None
     walk_rel: float | None = None  # walk window loss vs the ubatch loss
     walk_grad_rel: float | None = None  # the exact walk's grads vs the model's own (worst parameter)
@@ -332,7 +332,7 @@ def check(name: str) -> Report:
     from remat.capture import capture
     from remat.graph import StepInputs
     from remat.plan import measure, plan
-    from remat.recompute import rewrite
+    from remat.recompute import LAYER, Rewriter
 
     report = Report(name)
     ids, labels = batch()
@@ -349,14 +349,17 @@ def check(name: str) -> Report:
         trainable = list(StepInputs.of(model).trainable)
         by_name = dict(zip(names, grads))
         off = tg(*args)
-        rt = rewrite(tg)
+        rewriter = Rewriter(tg)
+        rt = rewriter(LAYER)
         on, measured = measure(rt, args)
         on = (on[0], on[1:])
         for key, (value, g) in (("off", off), ("on", on)):
             report.loss_rel[key] = rel(value, loss)
             report.grad_rel[key] = grads_rel(list(g), [by_name[n] for n in trainable])
         report.bitwise = bool(torch.equal(off[0], on[0]) and all(torch.equal(a, b) for a, b in zip(off[1], on[1])))
-        report.planned, report.measured = plan(rt).graph, measured.graph
+        planned = rewriter.plan(LAYER)  # how `remat plan` plans it: without making the graph
+        report.planned = planned.graph if planned == plan(rt) else -1  # and the same plan as the graph's
+        report.measured = measured.graph
         return off[0]
 
     ubatch_loss = _attempt(report, "ubatch", ubatch)

@@ -21,7 +21,7 @@ import torch
 from remat import models, policies, step
 from remat.marks import mark_name
 from remat.plan import measure, mib, plan
-from remat.recompute import CLONE_OF, keep_reasons, must_keep, rewrite, saved_nodes
+from remat.recompute import CLONE_OF, Rewriter, keep_reasons, must_keep, rewrite, saved_nodes
 from remat.settings import GateRefused, TrainSettings
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -109,6 +109,26 @@ def test_every_k_plans_less_as_k_grows(get_case):
     graphs = {name: plan(rewrite(c.tg, policies.parse(name))).graph for name in ("on", "every:2", "every:4")}
     assert graphs["on"] > graphs["every:2"] > graphs["every:4"], graphs
     assert_eager(c, *c.run(rewrite(c.tg, policies.parse("every:4"))))
+
+
+@pytest.mark.parametrize("name", ["tiny-llama", "tiny-qwen35"])
+def test_a_rewrite_planned_without_its_graph_is_the_graphs_plan_and_the_run(get_case, name):
+    """A budget search's probes plan a rewrite without making it (`Rewriter.plan`): the same plan, to the
+    byte, as the graph made, and the run holds what was planned; for the built-ins and for save-back sets."""
+    c = get_case(name)
+    rewriter = Rewriter(c.tg)
+    on = policies.parse("on")
+    extra = [n for n in saved_nodes(c.tg) if n not in keep_reasons(c.tg, on)]
+    assert len(extra) > 20
+    partial = [policies.Policy(f"on+{k}", lambda n, s=frozenset(extra[:k]): on.saves(n) or n in s)
+               for k in (1, len(extra) // 3, len(extra))]
+    for policy in [policies.parse(p) for p in POLICIES] + partial:
+        graph = rewriter(policy)
+        planned = rewriter.plan(policy)
+        assert planned == plan(graph), policy.name
+        (loss, *grads), measured = measure(graph, c.args())
+        assert (measured.graph, measured.step) == (planned.graph, planned.step), policy.name
+        assert_eager(c, loss, grads)
 
 
 def test_unknown_policy_is_refused():

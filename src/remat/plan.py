@@ -17,7 +17,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import ctypes
-from collections.abc import Iterator, Set
+from collections.abc import Hashable, Iterator, Sequence, Set
 from dataclasses import asdict, dataclass
 
 import torch
@@ -52,15 +52,17 @@ class Plan:
 
 
 
+Lives = dict[Hashable, tuple[int, int, int]]  # storage -> (position of its maker, bytes, position it is freed after)
+
+
 def _storages(node: fx.Node) -> list[StorageWeakRef]:
     return [StorageWeakRef(t.untyped_storage()) for t in tensors_in(node.meta.get("val"))]
 
 
-def _nbytes(ref: StorageWeakRef, node: fx.Node) -> int:
-    for t in tensors_in(node.meta.get("val")):
-        if StorageWeakRef(t.untyped_storage()) == ref:
-            return t.untyped_storage().nbytes()
-    raise AssertionError("storage not found")
+def sized_storages(node: fx.Node) -> list[tuple[StorageWeakRef, int]]:
+    """The storages the node's value holds, with their bytes."""
+    return [(StorageWeakRef(t.untyped_storage()), t.untyped_storage().nbytes())
+            for t in tensors_in(node.meta.get("val"))]
 
 
 def _output_nodes(graph: fx.Graph) -> list[fx.Node]:
@@ -68,51 +70,60 @@ def _output_nodes(graph: fx.Graph) -> list[fx.Node]:
     return list(out.all_input_nodes)
 
 
-def _lifetimes(tg: TrainGraph) -> tuple[list[fx.Node], dict[StorageWeakRef, tuple[fx.Node, int, int]], set]:
-    """Each graph-allocated storage: (the node that made it, bytes, position after which it is freed); and
-    which of them are the step's outputs (alive from their maker to the end)."""
+def lives(held: Sequence[Sequence[tuple[Hashable, int]]], last_read: Sequence[int], inputs: Set,
+          outputs: Set) -> Lives:
+    """Each graph-allocated storage's life over a node order: `held[i]`, the storages node i's value holds
+    (with bytes); `last_read[i]`, the position of its last reader (or i). `inputs` are not the graph's to
+    allocate; `outputs` live from their maker to the end."""
+    life: Lives = {}
+    for i, (storages, end) in enumerate(zip(held, last_read, strict=True)):
+        for s, size in storages:
+            if s not in inputs:
+                maker, first_size, freed = life.get(s, (i, size, 0))
+                life[s] = (maker, first_size, len(held) if s in outputs else max(freed, end))
+    return life
+
+
+def _lifetimes(tg: TrainGraph) -> tuple[list[fx.Node], Lives, set]:
+    """The graph's node order, its storages' lives (`lives`), and which of them are the step's outputs."""
     nodes = list(tg.graph.nodes)
-    excluded = {s for n in nodes if n.op == "placeholder" for s in _storages(n)}
-    kept = {s for n in _output_nodes(tg.graph) for s in _storages(n)} - excluded
     pos = {n: i for i, n in enumerate(nodes)}
-    life: dict[StorageWeakRef, tuple[fx.Node, int, int]] = {}
-    for n in nodes:
-        dies = max([pos[n]] + [pos[u] for u in n.users])
-        for s in _storages(n):
-            if s not in excluded:
-                maker, size, end = life.get(s, (n, _nbytes(s, n), 0))
-                life[s] = (maker, size, len(nodes) if s in kept else max(end, dies))
-    return nodes, life, kept
+    held = [sized_storages(n) for n in nodes]
+    inputs = {s for n in nodes if n.op == "placeholder" for s, _ in held[pos[n]]}
+    outputs = {s for n in _output_nodes(tg.graph) for s, _ in held[pos[n]]} - inputs
+    last_read = [max([i] + [pos[u] for u in n.users]) for i, n in enumerate(nodes)]
+    return nodes, lives(held, last_read, inputs, outputs), outputs
 
 
 def live_at_peak(tg: TrainGraph, outputs: bool = False) -> tuple[int, fx.Node | None, list[tuple[fx.Node, int]]]:
     """The peak of graph-allocated bytes (with `outputs`, and the outputs made so far), the node where it is
     reached, and what is live then."""
     nodes, life, kept = _lifetimes(tg)
-    return _sweep(nodes, life, frozenset() if outputs else kept)
+    peak, at, live = _sweep(len(nodes), life, frozenset() if outputs else kept)
+    return peak, None if at is None else nodes[at], [(nodes[maker], size) for maker, size in live]
 
 
-def _sweep(nodes: list[fx.Node], life: dict[StorageWeakRef, tuple[fx.Node, int, int]], skip: Set
-           ) -> tuple[int, fx.Node | None, list[tuple[fx.Node, int]]]:
-    made_at: dict[fx.Node, list[StorageWeakRef]] = {}
-    frees_at: dict[int, list[StorageWeakRef]] = {}
+def _sweep(count: int, life: Lives, skip: Set) -> tuple[int, int | None, list[tuple[int, int]]]:
+    """The peak of live bytes over `count` positions, where it is, and what is live then (maker, bytes)."""
+    made_at: dict[int, list[Hashable]] = {}
+    frees_at: dict[int, list[Hashable]] = {}
     for s, (maker, _, end) in life.items():
         if s not in skip:
             made_at.setdefault(maker, []).append(s)
             frees_at.setdefault(end, []).append(s)
-    live: set[StorageWeakRef] = set()
+    live: set[Hashable] = set()
     total = peak = 0
-    peak_node, peak_set = None, set()
-    for i, n in enumerate(nodes):
-        for s in made_at.get(n, ()):
+    peak_at, peak_set = None, set()
+    for i in range(count):
+        for s in made_at.get(i, ()):
             live.add(s)
             total += life[s][1]
         if total > peak:
-            peak, peak_node, peak_set = total, n, set(live)
+            peak, peak_at, peak_set = total, i, set(live)
         for s in frees_at.get(i, ()):
             live.discard(s)
             total -= life[s][1]
-    return peak, peak_node, sorted(((life[s][0], life[s][1]) for s in peak_set), key=lambda x: -x[1])
+    return peak, peak_at, sorted(((life[s][0], life[s][1]) for s in peak_set), key=lambda x: -x[1])
 
 
 def graph_peak(tg: TrainGraph) -> int:
@@ -133,25 +144,30 @@ def _made_grads(tg: TrainGraph) -> int:
     """Bytes of the step's grads (its outputs after the loss) that the graph allocates; the rest alias its
     inputs (a walk's grad sums)."""
     inputs = {s for n in tg.placeholders() for s in _storages(n)}
-    made = {s: _nbytes(s, n) for n in _output_nodes(tg.graph)[1:] for s in _storages(n) if s not in inputs}
+    made = {s: size for n in _output_nodes(tg.graph)[1:] for s, size in sized_storages(n) if s not in inputs}
     return sum(made.values())
 
 
-def plan(tg: TrainGraph) -> Plan:
-    """Bytes by category for running `tg` as a training step with AdamW."""
+def plan(tg: TrainGraph, order: tuple[int, Lives, Set] | None = None) -> Plan:
+    """Bytes by category for running `tg` as a training step with AdamW. `order`, when given, is another
+    node order of the same step (its length, its storages' `lives` and its outputs' storages): a rewrite
+    planned without making its graph (`recompute.Rewriter.plan`)."""
     trainable = [t for n, r in zip(tg.placeholders(), tg.roles) if r == "trainable" for t in tensors_in(n.meta["val"])]
     params = sum(t.numel() * t.element_size() for t in trainable)
     largest = max((t.numel() * t.element_size() for t in trainable), default=0)
     grads_before = max(0, params - _made_grads(tg))  # grads held before the step starts (a walk's sums)
-    nodes, life, kept = _lifetimes(tg)  # one walk over the storages for both peaks
+    if order is None:
+        nodes, lifetimes, made_outputs = _lifetimes(tg)  # one walk over the storages for both peaks
+        order = len(nodes), lifetimes, made_outputs
+    count, life, outputs = order
     return Plan(
         params=params,
         frozen=_role_bytes(tg, "frozen") + _role_bytes(tg, "buffer"),
         grads=params,
         optimizer=2 * 4 * max(zero_shards([t.numel() for t in trainable], _WORLD.get())),
-        graph=_sweep(nodes, life, kept)[0],
+        graph=_sweep(count, life, outputs)[0],
         cache=_role_bytes(tg, "state") + tg.info.get("saved_states", 0),
-        step=_sweep(nodes, life, frozenset())[0] + grads_before,
+        step=_sweep(count, life, frozenset())[0] + grads_before,
         workspace=3 * largest,  # torch's single-tensor AdamW (CPU): sqrt, quotient and sum of one parameter
     )
 

@@ -23,7 +23,9 @@ from __future__ import annotations
 
 import functools
 from collections import Counter
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import fx
@@ -33,6 +35,7 @@ from remat import alias
 from remat.capture import copied_value
 from remat.graph import TrainGraph, interpret, tensors_in
 from remat.marks import mark_name
+from remat.plan import Lives, Plan, lives, plan, sized_storages
 from remat.policies import Policy, layer_index, layer_marks
 
 CLONE_OF = "remat_clone_of"  # node.meta key: the original a clone recomputes
@@ -106,10 +109,13 @@ class Rewriter:
         self.fwd_index = {n: i for i, n in enumerate(self.forward)}
         self.region = regions(self.forward)
         self.values: dict[tuple, tuple[list, object]] = {}  # (what, input value ids) -> (inputs, value)
+        self.storages = functools.cache(sized_storages)  # each original's, for plans made without a graph
 
     def __call__(self, policy: Policy = LAYER, kept: dict[fx.Node, str] | None = None) -> TrainGraph:
         """The step rewritten under `policy`; `kept`, when given, is its `keep_reasons`."""
-        new, env, clones = self._copy(keep_reasons(self.tg, policy) if kept is None else kept)
+        made = _Graph()
+        env, clones = self._copy(keep_reasons(self.tg, policy) if kept is None else kept, made)
+        new = made.graph
         new.lint()
         gm = _LazyGraphModule(self.tg.gm, new)  # its code is made on its first call: a plan never pays for it
         origin: dict[fx.Node, object] = {c: key for key, c in clones.items()}
@@ -118,24 +124,29 @@ class Rewriter:
         return TrainGraph(gm=gm, roles=self.tg.roles, names=self.tg.names, boundary=env[self.tg.boundary],
                           info={**self.tg.info, "recompute": policy.name})
 
-    def _copy(self, kept: dict[fx.Node, str]) -> tuple[fx.Graph, dict[fx.Node, fx.Node], dict[Key, fx.Node]]:
-        """The rewritten graph; each original's copy, and each clone."""
+    def plan(self, policy: Policy, kept: dict[fx.Node, str] | None = None) -> Plan:
+        """`plan(self(policy, kept))`, to the byte, without making the graph: a budget search's probe."""
+        made = _Storages(self.storages)
+        self._copy(keep_reasons(self.tg, policy) if kept is None else kept, made)
+        return plan(self.tg, made.order())
+
+    def _copy(self, kept: dict[fx.Node, str], made: _Graph | _Storages) -> tuple[dict[fx.Node, Any], dict[Key, Any]]:
+        """The rewritten step, made by `made` in order; each original's copy, and each clone."""
         fwd_index, region = self.fwd_index, self.region
-        new = fx.Graph()
-        env: dict[fx.Node, fx.Node] = {}  # original -> its copy in the new graph
-        clones: dict[Key, fx.Node] = {}
+        env: dict[fx.Node, Any] = {}  # original -> its copy (a node, or a position in `_Storages`)
+        clones: dict[Key, Any] = {}
 
         for n in self.forward:
-            env[n] = new.node_copy(n, env.__getitem__)
+            env[n] = made.copy(n, env.__getitem__)
 
         def made_for(n: fx.Node, r: int) -> Key:
             # a layer mark's clone is made once, for its own region; any other node's for the region wanting it
             return (n, region[n]) if layer_index(n) is not None else (n, r)
 
-        def value(a: fx.Node, r: int) -> fx.Node:  # what a clone made for region r reads for forward node a
+        def value(a: fx.Node, r: int):  # what a clone made for region r reads for forward node a
             return env[a] if a in kept else clones[made_for(a, r)]
 
-        def read(a: fx.Node, r: int) -> fx.Node:  # what a backward node of region r reads for a
+        def read(a: fx.Node, r: int):  # what a backward node of region r reads for a
             return value(a, r) if a in fwd_index else env[a]
 
         def needed(n: fx.Node, r: int, acc: set[Key]) -> None:
@@ -155,10 +166,9 @@ class Rewriter:
             for a in reads:
                 needed(a, r, todo)
             for m, mr in sorted(todo, key=lambda k: (fwd_index[k[0]], k[1])):
-                clones[m, mr] = new.node_copy(m, functools.partial(value, r=mr))
-                clones[m, mr].meta[CLONE_OF] = m.name
-            env[n] = new.node_copy(n, functools.partial(read, r=r))
-        return new, env, clones
+                clones[m, mr] = made.clone(m, functools.partial(value, r=mr))
+            env[n] = made.copy(n, functools.partial(read, r=r))
+        return env, clones
 
     def _fake_values(self, fresh: list[fx.Node], origin: dict[fx.Node, object]) -> None:
         """`capture.copied_value` for `fresh`, reusing the value an earlier rewrite made from the same inputs:
@@ -172,6 +182,58 @@ class Rewriter:
                 assert isinstance(original, fx.Node)
                 self.values[key] = (inputs, copied_value(original, n))
             n.meta["val"] = self.values[key][1]
+
+
+class _Graph:
+    """Makes the rewritten step as an fx graph."""
+
+    def __init__(self) -> None:
+        self.graph = fx.Graph()
+
+    def copy(self, n: fx.Node, arg: Callable[[fx.Node], fx.Node]) -> fx.Node:
+        return self.graph.node_copy(n, arg)
+
+    def clone(self, n: fx.Node, arg: Callable[[fx.Node], fx.Node]) -> fx.Node:
+        c = self.graph.node_copy(n, arg)
+        c.meta[CLONE_OF] = n.name
+        return c
+
+
+class _Storages:
+    """Makes the rewritten step as the planner sees it: each node's storages (with bytes) and its last
+    reader, in order, no graph. A copy holds its original's storages, a clone new ones of the same sizes
+    (`_fresh`'s values are made by the same ops); where the original holds an input's storage (a view, an
+    in-place write), the copy or clone holds that input's copy's or clone's instead."""
+
+    def __init__(self, storages: Callable[[fx.Node], Sequence[tuple[Hashable, int]]]):
+        self.storages = storages  # an original node's, in the order its value holds them
+        self.held: list[list[tuple[Hashable, int]]] = []
+        self.last_read: list[int] = []
+        self.inputs: set[Hashable] = set()
+        self.outputs: set[Hashable] = set()
+
+    def copy(self, n: fx.Node, arg: Callable[[fx.Node], int], new: bool = False) -> int:
+        i = len(self.held)
+        through: dict[Hashable, Hashable] = {}  # an input's original storage -> the one its copy holds
+        for a in n.all_input_nodes:
+            h = arg(a)
+            self.last_read[h] = i
+            through.update((s, t) for (s, _), (t, _) in zip(self.storages(a), self.held[h], strict=True))
+        # keys of one type: (-1, its storage) for an original's, (i, the original's) for node i's new one
+        self.held.append([(through.get(s, (i if new else -1, s)), size) for s, size in self.storages(n)])
+        self.last_read.append(i)
+        if n.op == "placeholder":
+            self.inputs.update(s for s, _ in self.held[i])
+        elif n.op == "output":
+            self.outputs = {s for a in n.all_input_nodes for s, _ in self.held[arg(a)]}
+        return i
+
+    def clone(self, n: fx.Node, arg: Callable[[fx.Node], int]) -> int:
+        return self.copy(n, arg, new=True)
+
+    def order(self) -> tuple[int, Lives, set[Hashable]]:
+        outputs = self.outputs - self.inputs
+        return len(self.held), lives(self.held, self.last_read, self.inputs, outputs), outputs
 
 
 def _fresh(graph: fx.Graph, clones: set[fx.Node]) -> list[fx.Node]:

@@ -98,7 +98,17 @@ def _trace(model: nn.Module, shape: StepShape) -> TrainGraph:
 
 def plans(model: nn.Module, shape: StepShape, which: tuple[str, ...] = ("off", "on")) -> dict[str, Plan]:
     """The memory plan of the step under each policy named (off, on, layer, dots, every:K)."""
-    return {k: plan(build(model, shape, k)) for k in which}
+    return {k: _plan(model, shape, k) for k in which}
+
+
+def _plan(model: nn.Module, shape: StepShape, policy: str) -> Plan:
+    """`plan(build(model, shape, policy))`; a rewrite not made yet is planned without making it."""
+    name = policy_name(policy)
+    made = _cache(model, shape).get(name)
+    chosen = policies.parse(name) if made is None else None
+    if chosen is None:
+        return plan(build(model, shape, name))
+    return _rewriter(model, shape).plan(chosen)
 
 
 # From most memory (fastest) to least; each saves a subset of what the one before it saves. every:K recomputes
@@ -131,7 +141,7 @@ def choose(model: nn.Module, shape: StepShape, recompute: str, budget: int) -> C
     """
     choice = _choose(model, shape, recompute, budget)
     for name in ("off", "on"):  # shown beside the choice: what recompute saves (or costs) on this job
-        choice.plans.setdefault(name, plan(build(model, shape, name)))
+        choice.plans.setdefault(name, _plan(model, shape, name))
     return choice
 
 
@@ -145,7 +155,7 @@ def _choose(model: nn.Module, shape: StepShape, recompute: str, budget: int) -> 
     ladder = LADDER if recompute == "auto" else LADDER[1:]
     found: dict[str, Plan] = {}
     for name in ladder:
-        found[name] = plan(build(model, shape, name))
+        found[name] = _plan(model, shape, name)
         if found[name].total <= budget:
             break
     else:
@@ -175,21 +185,21 @@ def _save_back(model: nn.Module, shape: StepShape, budget: int, faster: str, fit
     kept = keep_reasons(rewriter.tg, fit)
     extra = [n for n in saved_nodes(rewriter.tg) if n not in kept and fast.saves(n)]
     extra.sort(key=lambda n: -policies.recompute_cost(n) / max(1, _nbytes(n)))
-    graphs: dict[int, tuple[TrainGraph, Plan]] = {}
 
-    def probe(k: int) -> int:
+    def saving(k: int) -> tuple[policies.Policy, dict]:
         names = frozenset(n.name for n in extra[:k])
         chosen = policies.Policy(f"{fitting}+{k}", lambda n: fit.saves(n) or n.name in names)
-        graph = rewriter(chosen, kept | dict.fromkeys(extra[:k], chosen.name))  # what keep_reasons would keep
-        graphs[k] = graph, plan(graph)
-        return graphs[k][1].total
+        return chosen, kept | dict.fromkeys(extra[:k], chosen.name)  # what keep_reasons would keep
+
+    def probe(k: int) -> int:  # planned without making the graph: most of a rewrite's time is making it
+        return rewriter.plan(*saving(k)).total
 
     k = _most_that_fit(list(itertools.accumulate(map(_nbytes, extra), initial=0)), probe, budget, fitting_plan.total)
     if k == 0:
         return None
-    graph, p = graphs[k]
+    graph = rewriter(*saving(k))
     _cache(model, shape)[graph.info["recompute"]] = graph  # so that `build` finds the chosen one
-    return graph.info["recompute"], p
+    return graph.info["recompute"], plan(graph)
 
 
 def _most_that_fit(saved: list[int], probe: Callable[[int], int], budget: int, start: int) -> int:
@@ -235,7 +245,7 @@ def _nbytes(n) -> int:
 
 def _refuse(model: nn.Module, shape: StepShape, budget: int, found: dict[str, Plan]) -> None:
     for name in LADDER:
-        found.setdefault(name, plan(build(model, shape, name)))
+        found.setdefault(name, _plan(model, shape, name))
     smallest = min(found, key=lambda k: found[k].total)
     figures = ", ".join(f"recompute {k}: {mib(p.total)} (graph {mib(p.graph)})" for k, p in found.items())
     fixed = found[smallest].total - found[smallest].graph - found[smallest].cache
