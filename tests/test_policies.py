@@ -46,6 +46,14 @@ def test_policy_is_bitwise_the_models_own_backward(case, name):
         assert torch.equal(g, e) and torch.equal(g, o)
 
 
+def test_every_policy_is_bitwise_smollm2s_own_backward(get_case):
+    """The real weights (the embedded SmolLM2-135M GGUF), a short window: each policy's loss and grads are
+    the model's own autograd's, bit for bit."""
+    c = get_case(None)  # the default model
+    for name in POLICIES:
+        assert_eager(c, *c.run(rewrite(c.tg, policies.parse(name))))
+
+
 def test_mandatory_rules_win_over_any_policy(case):
     """A policy only decides among values the rules leave free: saving nothing still keeps the rules' set."""
     nothing = policies.Policy("nothing", lambda n: False)
