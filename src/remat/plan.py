@@ -55,14 +55,14 @@ class Plan:
 Lives = dict[Hashable, tuple[int, int, int]]  # storage -> (position of its maker, bytes, position it is freed after)
 
 
-def _storages(node: fx.Node) -> list[StorageWeakRef]:
-    return [StorageWeakRef(t.untyped_storage()) for t in tensors_in(node.meta.get("val"))]
-
-
 def sized_storages(node: fx.Node) -> list[tuple[StorageWeakRef, int]]:
     """The storages the node's value holds, with their bytes."""
     return [(StorageWeakRef(t.untyped_storage()), t.untyped_storage().nbytes())
             for t in tensors_in(node.meta.get("val"))]
+
+
+def _storages(node: fx.Node) -> list[StorageWeakRef]:
+    return [s for s, _ in sized_storages(node)]
 
 
 def _output_nodes(graph: fx.Graph) -> list[fx.Node]:

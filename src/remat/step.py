@@ -104,9 +104,8 @@ def plans(model: nn.Module, shape: StepShape, which: tuple[str, ...] = ("off", "
 def _plan(model: nn.Module, shape: StepShape, policy: str) -> Plan:
     """`plan(build(model, shape, policy))`; a rewrite not made yet is planned without making it."""
     name = policy_name(policy)
-    made = _cache(model, shape).get(name)
-    chosen = policies.parse(name) if made is None else None
-    if chosen is None:
+    chosen = None if name in _cache(model, shape) else policies.parse(name)
+    if chosen is None:  # off, or a graph already made
         return plan(build(model, shape, name))
     return _rewriter(model, shape).plan(chosen)
 
