@@ -6,6 +6,7 @@ import pytest
 import torch
 from torch import fx
 from torch.fx.experimental.proxy_tensor import make_fx
+from torch.multiprocessing.reductions import StorageWeakRef
 
 from remat import capture as cap
 from remat import step
@@ -189,3 +190,36 @@ def test_interpret_runs_tensor_constants():
     (expected,) = gm(x)
     (got,) = interpret(gm, [x])
     assert torch.equal(got, expected)
+
+
+def test_a_sum_runs_in_place_only_where_nothing_reads_its_operand_again():
+    """`sum_in_place` on a hand-made step (every node after `x` counts as backward): a sum whose first operand
+    is read later, is the step's output, is an input, or broadcasts to another shape stays out of place;
+    the rest run in place, on their operand's storage, and the step computes the same values bitwise."""
+
+    def step(x, y):
+        read_later = x * 2
+        kept = read_later + y  # its operand is read again below
+        dead = x * 3
+        summed = dead + y  # in place: nothing reads `dead` again
+        chained = summed + y  # in place again, into the same storage
+        returned = x * 4
+        wider = (x * 5)[0] + y  # broadcasts: the sum is larger than its operand
+        return kept, read_later * 7, chained.t(), returned + y, returned, wider, x + y
+
+    x, y = torch.randn(3, 4), torch.randn(3, 4)
+    gm = make_fx(step, tracing_mode="fake")(x, y)
+    nodes = list(gm.graph.nodes)
+    count = cap.sum_in_place(gm, nodes[0])
+    sums = {n.name: n.target for n in nodes if n.target in (torch.ops.aten.add.Tensor, torch.ops.aten.add_.Tensor)}
+    in_place = [name for name, target in sums.items() if target is torch.ops.aten.add_.Tensor]
+    assert count == len(in_place) == 2, sums
+    def storage(n: fx.Node) -> StorageWeakRef:
+        return StorageWeakRef(n.meta["val"].untyped_storage())
+
+    by_name = {n.name: n for n in nodes}
+    dead = by_name[in_place[0]].args[0]
+    view = next(n for n in nodes if n.target is torch.ops.aten.t.default)
+    assert {storage(by_name[name]) for name in in_place} | {storage(view)} == {storage(dead)}
+    for got, want in zip(gm(x, y), step(x, y), strict=True):
+        assert torch.equal(got, want)

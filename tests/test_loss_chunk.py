@@ -174,3 +174,31 @@ def test_loss_chunk_planned_matches_measured(recompute):
         _, measured = measure(tg, StepInputs.of(model).args(ids, labels))
     assert planned > 0
     assert abs(measured.graph - planned) <= 0.05 * planned, (planned, measured.graph)
+
+
+def test_tied_head_sums_its_weight_gradient_in_place():
+    """The tied weight's gradient, summed over the loss's pieces and the embedding, is summed in place into
+    one tensor (`capture.sum_in_place`, as eager autograd does), which is the step's grad. The real run
+    holds it: measured, the step allocates what its plan says, and with the sums put back out of place
+    it allocates at least one weight-sized tensor more, for the same grads bit for bit."""
+    cfg = load_config("tiny-llama")
+    cfg.tie_word_embeddings = True
+    c = Case(build_from_config(cfg))
+    weight = c.model.get_input_embeddings().weight
+    sums = [n for n in c.chunked.graph.nodes if n.target is torch.ops.aten.add_.Tensor
+            and tuple(n.meta["val"].shape) == tuple(weight.shape)]
+    assert len(sums) == CTX // CHUNK  # the pieces after the first, then the embedding's
+    out = next(n for n in c.chunked.graph.nodes if n.op == "output")
+    assert sums[-1] in out.all_input_nodes
+    args = StepInputs.of(c.model).args(c.ids, c.labels)
+    with torch.no_grad():
+        grads, in_place = measure(c.chunked, args)
+    assert in_place.graph == plan(c.chunked).graph
+    for n in c.chunked.graph.nodes:
+        if n.target is torch.ops.aten.add_.Tensor:
+            n.target = torch.ops.aten.add.Tensor
+    c.chunked.gm.recompile()
+    with torch.no_grad():
+        grads_out, out_of_place = measure(c.chunked, args)
+    assert all(torch.equal(a, b) for a, b in zip(grads, grads_out))
+    assert out_of_place.graph - in_place.graph >= weight.numel() * weight.element_size()

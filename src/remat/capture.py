@@ -117,8 +117,65 @@ def trace(model: nn.Module, loss_fn, inputs: dict[str, tuple[str, torch.Tensor]]
     with torch.enable_grad(), mode:
         gm = make_fx(step)(*example)
     _traces["count"] += 1
+    sum_in_place(gm, boundary[0])
     return TrainGraph(gm=gm, roles=roles, names=[*model_names, *inputs, *sum_names], boundary=boundary[0],
                       info=info or {})
+
+
+def sum_in_place(gm: fx.GraphModule, boundary: fx.Node) -> int:
+    """Turn the backward's gradient sums `add(a, b)` into `a.add_(b)` where nothing reads `a`'s storage again,
+    as eager autograd's InputBuffer does: make_fx's tracer holds a reference to every value, so autograd
+    never finds a sum it may reuse and records a new tensor for each (SmolLM2's tied head summed its
+    weight's gradient over the loss's pieces with three vocab-sized tensors alive, not two). The same
+    kernel on the same operands: the result is bitwise the same. Returns how many sums now run in place.
+
+    Storages come from the fake values, as the planner sees them. `a`'s storage must be made in the
+    backward, read by nothing after the sum (the step's output included) and laid out exactly as the sum,
+    so the sum and its views move onto `a`'s storage, shifted by its offset."""
+    nodes = list(gm.graph.nodes)
+    pos = {n: i for i, n in enumerate(nodes)}
+    holders: dict[StorageWeakRef, list[fx.Node]] = {}
+    for n in nodes:
+        for t in tensors_in(n.meta.get("val")):
+            holders.setdefault(StorageWeakRef(t.untyped_storage()), []).append(n)
+    end = {s: max(pos[u] for n in held for u in (n, *n.users)) for s, held in holders.items()}
+    backward = pos[boundary] + 1
+    count = 0
+    for n in nodes[backward:]:
+        if n.target is not torch.ops.aten.add.Tensor or not isinstance(n.args[0], fx.Node):
+            continue
+        a, out = n.args[0].meta.get("val"), n.meta.get("val")
+        if not (isinstance(a, FakeTensor) and isinstance(out, FakeTensor)):
+            continue
+        s, r = StorageWeakRef(a.untyped_storage()), StorageWeakRef(out.untyped_storage())
+        others = {StorageWeakRef(t.untyped_storage()) for b in n.all_input_nodes[1:] for t in tensors_in(b.meta.get("val"))}
+        if (pos[holders[s][0]] < backward or end[s] != pos[n] or s in others or r == s
+                or (a.shape, a.stride(), a.dtype, a.device) != (out.shape, out.stride(), out.dtype, out.device)):
+            continue
+        n.target = torch.ops.aten.add_.Tensor
+        shift = a.storage_offset() - out.storage_offset()
+        for h in holders.pop(r):  # the sum and its views, now on `a`'s storage
+            h.meta["val"] = _moved(h.meta["val"], r, a.untyped_storage(), shift)
+            holders[s].append(h)
+        end[s] = end.pop(r)
+        count += 1
+    gm.recompile()
+    return count
+
+
+def _moved(value: object, old: StorageWeakRef, storage: torch.UntypedStorage, shift: int) -> object:
+    """`value` with its tensors on storage `old` laid out the same on `storage`, `shift` elements further."""
+    if isinstance(value, (tuple, list)):
+        return type(value)(_moved(v, old, storage, shift) for v in value)
+    if not isinstance(value, FakeTensor) or StorageWeakRef(value.untyped_storage()) != old:
+        return value
+    return _fake_on(value, storage, value.storage_offset() + shift)
+
+
+def _fake_on(t: FakeTensor, storage: torch.UntypedStorage, offset: int) -> FakeTensor:
+    """A fake tensor laid out as `t` (shape, strides, dtype) on `storage` at `offset`."""
+    elem = torch.empty(0, dtype=t.dtype, device="meta").set_(storage, offset, t.shape, t.stride())
+    return FakeTensor(t.fake_mode, elem, t.device)
 
 
 class Seeded(NamedTuple):
@@ -194,9 +251,7 @@ def copied_value(original: fx.Node, copy: fx.Node) -> object:
         if ref not in storages:
             storages[ref] = torch.empty(t.untyped_storage().nbytes(), dtype=torch.uint8,
                                         device="meta").untyped_storage()
-        elem = torch.empty(0, dtype=t.dtype, device="meta").set_(storages[ref], t.storage_offset(), t.shape,
-                                                                 t.stride())
-        return FakeTensor(t.fake_mode, elem, t.device)
+        return _fake_on(t, storages[ref], t.storage_offset())
 
     val = original.meta["val"]
     return type(val)(map(one, val)) if isinstance(val, (tuple, list)) else one(val)
