@@ -148,7 +148,8 @@ def sum_in_place(gm: fx.GraphModule, boundary: fx.Node) -> int:
         if not (isinstance(a, FakeTensor) and isinstance(out, FakeTensor)):
             continue
         s, r = StorageWeakRef(a.untyped_storage()), StorageWeakRef(out.untyped_storage())
-        others = {StorageWeakRef(t.untyped_storage()) for b in n.all_input_nodes[1:] for t in tensors_in(b.meta.get("val"))}
+        others = {StorageWeakRef(t.untyped_storage())
+                  for b in n.all_input_nodes[1:] for t in tensors_in(b.meta.get("val"))}
         if (pos[holders[s][0]] < backward or end[s] != pos[n] or s in others or r == s
                 or (a.shape, a.stride(), a.dtype, a.device) != (out.shape, out.stride(), out.dtype, out.device)):
             continue
@@ -163,7 +164,7 @@ def sum_in_place(gm: fx.GraphModule, boundary: fx.Node) -> int:
     return count
 
 
-def _moved(value: object, old: StorageWeakRef, storage: torch.UntypedStorage, shift: int) -> object:
+def _moved(value: object, old: StorageWeakRef, storage: torch.UntypedStorage, shift: int | torch.SymInt) -> object:
     """`value` with its tensors on storage `old` laid out the same on `storage`, `shift` elements further."""
     if isinstance(value, (tuple, list)):
         return type(value)(_moved(v, old, storage, shift) for v in value)
@@ -172,7 +173,7 @@ def _moved(value: object, old: StorageWeakRef, storage: torch.UntypedStorage, sh
     return _fake_on(value, storage, value.storage_offset() + shift)
 
 
-def _fake_on(t: FakeTensor, storage: torch.UntypedStorage, offset: int) -> FakeTensor:
+def _fake_on(t: FakeTensor, storage: torch.UntypedStorage, offset: int | torch.SymInt) -> FakeTensor:
     """A fake tensor laid out as `t` (shape, strides, dtype) on `storage` at `offset`."""
     elem = torch.empty(0, dtype=t.dtype, device="meta").set_(storage, offset, t.shape, t.stride())
     return FakeTensor(t.fake_mode, elem, t.device)
