@@ -113,7 +113,7 @@ def _plan(model: nn.Module, shape: StepShape, policy: str) -> Plan:
 # From most memory (fastest) to least; each saves a subset of what the one before it saves. every:K recomputes
 # the marks between its kept ones as second-level checkpoints, and each layer from the mark below (Chen et al.),
 # so it plans below "on" up to K near sqrt(layers): graph, tiny-llama, 16 layers, batch 1, ctx 256: 2.3 MB on,
-# 1.8 every:2, 1.7 every:4 (2.0 every:8); SmolLM2 ctx 2048 full fine-tuning: 473 MiB on, 406 every:2, 380 every:4.
+# 1.8 every:2, 1.7 every:4 (2.0 every:8); SmolLM2 ctx 2048 full fine-tuning: 305 MiB on, 238 every:2, 212 every:4.
 LADDER = ("off", "dots", "on", "every:2", "every:4")
 
 
