@@ -26,7 +26,9 @@ from __future__ import annotations
 import argparse
 import contextlib
 import copy
+import ctypes
 import functools
+import gc
 import json
 import platform
 import statistics
@@ -97,6 +99,27 @@ def peak_during(fn: Callable[[], T], device: torch.device) -> tuple[T, int]:
         live += e.nbytes()
         peak = max(peak, live)
     return result, peak
+
+
+@functools.cache
+def _libc() -> ctypes.CDLL | None:
+    try:
+        return ctypes.CDLL("libc.so.6")
+    except OSError:
+        return None
+
+
+def trim_heap() -> None:
+    """Collect garbage, then have glibc give the heap memory it holds freed back to the kernel (`malloc_trim(0)`,
+    every arena), so that the resident set is what is live. Where libc has no `malloc_trim`, only the collection.
+
+    Without it, a step that follows another in one process reuses the heap that step freed (tensors under
+    the 1 MiB mmap threshold of `plan.return_freed_memory`) without growing the resident set: its process peak
+    above its start reads near 0 however much it allocates."""
+    gc.collect()
+    libc = _libc()
+    if libc is not None and hasattr(libc, "malloc_trim"):
+        libc.malloc_trim(0)
 
 
 # ---------------------------------------------------------------------------------------- variants
@@ -185,6 +208,39 @@ def _eager_variant(name: str, model: nn.Module, checkpoint: bool) -> Variant:
     return Variant(name, model, train_step, lambda: None, params, note)
 
 
+def run_step(v: Variant, input_ids: torch.Tensor, labels: torch.Tensor, device: torch.device, *,
+             warm_up: bool) -> None:
+    """One training step of `v`, its optimizer update included; appends its time and loss.
+
+    The warm-up (`warm_up`, a variant's first step): remat traces here; its forward and backward are measured
+    (`peak_during`), not timed. Later steps are timed, and their process peak (optimizer update included) above
+    their start, taken from a trimmed heap (`trim_heap`, left out of the time), is appended to `v.process_peaks`."""
+    assert v.optimizer is not None
+    optimizer = v.optimizer
+
+    def update() -> None:
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        _sync(device)
+
+    if warm_up:
+        t0 = time.perf_counter()
+        v.setup()
+        loss, v.measured_peak = peak_during(functools.partial(v.step, input_ids, labels), device)
+        update()
+    else:
+        trim_heap()  # the start is what is live, not what the step before freed; outside the time
+        before = resident()
+        reset_process_peak()
+        t0 = time.perf_counter()
+        loss = v.step(input_ids, labels)
+        update()
+        if "rss" in (peak := process_peak()):
+            v.process_peaks.append(peak["rss"] - before)
+    v.seconds.append(time.perf_counter() - t0)
+    v.losses.append(loss)
+
+
 def random_batches(vocab: int, batch: int, ctx: int, steps: int,
                    seed: int = 0) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """`steps` batches of uniformly random tokens; labels are the next token (the last one is not trained)."""
@@ -261,23 +317,8 @@ def run_bench(model: str | None, ctx: int, batch: int = 1, steps: int = 3, path:
     with contextlib.nullcontext() if device.type == "cpu" else torch.device(device):
         for i, (input_ids, labels) in enumerate(data):
             for v in variants:
-                t0 = time.perf_counter()
-                if i == 0:  # the warm-up: remat traces here; the step is measured, not timed
-                    v.setup()
-                    loss, v.measured_peak = peak_during(functools.partial(v.step, input_ids, labels), device)
-                else:  # timed, and the process's own peak above its start, optimizer update included
-                    before = resident()
-                    reset_process_peak()
-                    loss = v.step(input_ids, labels)
-                assert v.optimizer is not None
-                v.optimizer.step()
-                v.optimizer.zero_grad(set_to_none=True)
-                _sync(device)
-                if i > 0 and "rss" in (peak := process_peak()):
-                    v.process_peaks.append(peak["rss"] - before)
-                v.seconds.append(time.perf_counter() - t0)
-                v.losses.append(loss)
-                say(f"step {i + 1}/{steps} {v.name:<18} loss {loss:.6f}  {v.seconds[-1]:.2f} s"
+                run_step(v, input_ids, labels, device, warm_up=i == 0)
+                say(f"step {i + 1}/{steps} {v.name:<18} loss {v.losses[-1]:.6f}  {v.seconds[-1]:.2f} s"
                     + ("  (warm-up)" if i == 0 else ""))
 
     results = [v.result() for v in variants]
@@ -458,7 +499,12 @@ def markdown(result: dict) -> str:
            "buffers and the chunks' start states) and the window's gradient sums, which every chunk adds into "
            "(one set of grads)." if result["path"] == "walk" else ".")
         + " Process peak: the process's peak resident set (VmHWM, reset before each timed step) above its "
-        "resident set at the step's start, optimizer update included; the most over the timed steps."
+        "resident set at the step's start, optimizer update included; the most over the timed steps. The start is "
+        "taken after a garbage collection and glibc's `malloc_trim(0)` have given the heap that earlier steps (the "
+        "other variants') freed back to the kernel, so it is what is live and the figure is the step's own; it "
+        "also counts what the allocator does not (page rounding, the heap's fragments, non-tensor memory the "
+        "step touches again). The heap is still shared: a step whose blocks land in the holes other variants "
+        "left (returned, so counted again when touched) can read above what it takes in a process of its own."
         + " C and D run the whole window eagerly with the unchunked loss, as Hugging Face users get it "
         "(the attention is the same SDPA kernel remat traces).",
     ]
