@@ -27,6 +27,7 @@ from torch._subclasses.fake_tensor import (
 from torch.fx.experimental.proxy_tensor import get_proxy_mode, make_fx
 from torch.multiprocessing.reductions import StorageWeakRef
 
+from remat import delta_rule
 from remat.graph import StepInputs, TrainGraph, tensors_in
 from remat.hf import UnsupportedModel, causal_lm, causal_lm_loss, prepare
 
@@ -114,7 +115,7 @@ def trace(model: nn.Module, loss_fn, inputs: dict[str, tuple[str, torch.Tensor]]
     example = [t if isinstance(t, FakeTensor) else mode.from_tensor(t) for t in example]
     with mode:
         example += [torch.zeros_like(t) for t in example[:len(sum_names)]]
-    with torch.enable_grad(), mode:
+    with torch.enable_grad(), mode, delta_rule.swapped(model):
         gm = make_fx(step)(*example)
     _traces["count"] += 1
     sum_in_place(gm, boundary[0])

@@ -17,12 +17,13 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import ctypes
-from collections.abc import Hashable, Iterator, Sequence, Set
+from collections.abc import Callable, Hashable, Iterator, Sequence, Set
 from dataclasses import asdict, dataclass
 
 import torch
 from torch import fx
 from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from remat.graph import TrainGraph, interpret, tensors_in
 from remat.settings import GateRefused, MiB
@@ -54,6 +55,75 @@ class Plan:
 
 Lives = dict[Hashable, tuple[int, int, int]]  # storage -> (position of its maker, bytes, position it is freed after)
 
+# Ops that hold memory inside beyond their outputs while they run (a backward that recomputes its forward:
+# `remat.delta_rule`): op -> the bytes it holds at its peak beyond its outputs, from the node's fake values.
+# The planner adds them at the node, alive for that node only; `measure` tracks the real ones (`held_inside`).
+WORKSPACE: dict[object, Callable[[fx.Node], int]] = {}
+
+
+def workspace(node: fx.Node) -> int:
+    fn = WORKSPACE.get(node.target) if node.op == "call_function" else None
+    return fn(node) if fn is not None else 0
+
+
+def value_bytes(value: object) -> int:
+    """The bytes of the storages a value holds, each once."""
+    return sum({StorageWeakRef(t.untyped_storage()): t.untyped_storage().nbytes() for t in tensors_in(value)}.values())
+
+
+class _HeldInside(TorchDispatchMode):
+    """The peak of the bytes of the storages made while it is on (inputs' aside). Each op's outputs are
+    counted once per storage; before each op, storages nothing holds any more (`StorageWeakRef.expired`: a
+    weak reference, which keeps nothing alive, so autograd still reuses what it may) are dropped. Fake and
+    real tensors alike."""
+
+    def __init__(self, inputs: Sequence[object]):
+        super().__init__()
+        self.inputs = {StorageWeakRef(t.untyped_storage()) for t in tensors_in(list(inputs))}
+        self.sizes: dict[StorageWeakRef, int] = {}
+        self.live = self.peak = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        for key in [k for k in self.sizes if k.expired()]:
+            self.live -= self.sizes.pop(key)
+        out = func(*args, **(kwargs or {}))
+        for t in tensors_in(out):
+            key = StorageWeakRef(t.untyped_storage())
+            if key not in self.inputs and key not in self.sizes:
+                self.sizes[key] = t.untyped_storage().nbytes()
+                self.live += self.sizes[key]
+        self.peak = max(self.peak, self.live)
+        return out
+
+
+_WATCHING: contextvars.ContextVar[list[int] | None] = contextvars.ContextVar("remat_held_inside", default=None)
+
+
+@contextlib.contextmanager
+def watching(peaks: list[int]) -> Iterator[None]:
+    """Ops that hold memory inside (`WORKSPACE`) append their internal peaks to `peaks` while this is on."""
+    token = _WATCHING.set(peaks)
+    try:
+        yield
+    finally:
+        _WATCHING.reset(token)
+
+
+def held_inside(fn: Callable[[], object], inputs: Sequence[object]) -> object:
+    """`fn()`: an op's body. While someone is `watching`, its internal peak (bytes made inside, its result
+    included, `inputs` aside) is appended to what they watch."""
+    peaks = _WATCHING.get()
+    if peaks is None:
+        return fn()
+    token = _WATCHING.set(None)  # an op inside reports to this one, not past it
+    try:
+        with _HeldInside(inputs) as seen:
+            out = fn()
+    finally:
+        _WATCHING.reset(token)
+    peaks.append(seen.peak)
+    return out
+
 
 def sized_storages(node: fx.Node) -> list[tuple[StorageWeakRef, int]]:
     """The storages the node's value holds, with their bytes."""
@@ -71,11 +141,12 @@ def _output_nodes(graph: fx.Graph) -> list[fx.Node]:
 
 
 def lives(held: Sequence[Sequence[tuple[Hashable, int]]], last_read: Sequence[int], inputs: Set,
-          outputs: Set) -> Lives:
+          outputs: Set, inside: Sequence[int] = ()) -> Lives:
     """Each graph-allocated storage's life over a node order: `held[i]`, the storages node i's value holds
     (with bytes); `last_read[i]`, the position of its last reader (or i). `inputs` are not the graph's to
-    allocate; `outputs` live from their maker to the end."""
-    life: Lives = {}
+    allocate; `outputs` live from their maker to the end. `inside[i]`: what node i holds while it runs
+    beyond its value (`workspace`), alive at i only."""
+    life: Lives = {("inside", i): (i, size, i) for i, size in enumerate(inside) if size}
     for i, (storages, end) in enumerate(zip(held, last_read, strict=True)):
         for s, size in storages:
             if s not in inputs:
@@ -92,7 +163,7 @@ def _lifetimes(tg: TrainGraph) -> tuple[list[fx.Node], Lives, set]:
     inputs = {s for n in nodes if n.op == "placeholder" for s, _ in held[pos[n]]}
     outputs = {s for n in _output_nodes(tg.graph) for s, _ in held[pos[n]]} - inputs
     last_read = [max([i] + [pos[u] for u in n.users]) for i, n in enumerate(nodes)]
-    return nodes, lives(held, last_read, inputs, outputs), outputs
+    return nodes, lives(held, last_read, inputs, outputs, [workspace(n) for n in nodes]), outputs
 
 
 def live_at_peak(tg: TrainGraph, outputs: bool = False) -> tuple[int, fx.Node | None, list[tuple[fx.Node, int]]]:
@@ -219,6 +290,8 @@ def measure(tg: TrainGraph, args: list[torch.Tensor]) -> tuple[list, Measured]:
     events: list[tuple[int, int]] = []  # (allocation id, +bytes / -bytes), in order
     counter = iter(range(1 << 62))
 
+    inside: list[int] = []  # what the last node held inside beyond its value (`held_inside`)
+
     def made(node: fx.Node, value: object, env: dict) -> None:
         for t in tensors_in(value):
             p = t.untyped_storage().data_ptr()
@@ -228,7 +301,9 @@ def measure(tg: TrainGraph, args: list[torch.Tensor]) -> tuple[list, Measured]:
                 ident[p] = next(counter)
                 events.append((ident[p], t.untyped_storage().nbytes()))
             refs[p] = refs.get(p, 0) + 1
-        events.append((-1, 0))  # a sampling point: after each node, before frees
+        extra = max(0, inside.pop() - value_bytes(value)) if inside else 0
+        events.append((-2, extra))  # a sampling point: after each node, before frees
+        events.append((-2, -extra))
 
     def freed(node: fx.Node, value: object) -> None:
         for t in tensors_in(value):
@@ -244,7 +319,8 @@ def measure(tg: TrainGraph, args: list[torch.Tensor]) -> tuple[list, Measured]:
     if cuda:
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
-    outputs = interpret(tg.gm, args, on_node=made, on_free=freed)
+    with watching(inside):
+        outputs = interpret(tg.gm, args, on_node=made, on_free=freed)
     outs = {ident[p] for t in tensors_in(outputs) if (p := t.untyped_storage().data_ptr()) in ident}
     made_grads = sum({p: t.untyped_storage().nbytes() for t in tensors_in(outputs[1:])
                       if (p := t.untyped_storage().data_ptr()) not in inputs}.values())  # grads may share one

@@ -35,7 +35,7 @@ from remat import alias
 from remat.capture import copied_value
 from remat.graph import TrainGraph, interpret, tensors_in
 from remat.marks import mark_name
-from remat.plan import Lives, Plan, lives, plan, sized_storages
+from remat.plan import Lives, Plan, lives, plan, sized_storages, workspace
 from remat.policies import Policy, layer_index, layer_marks
 
 CLONE_OF = "remat_clone_of"  # node.meta key: the original a clone recomputes
@@ -209,6 +209,7 @@ class _Storages:
         self.storages = storages  # an original node's, in the order its value holds them
         self.held: list[list[tuple[Hashable, int]]] = []
         self.last_read: list[int] = []
+        self.inside: list[int] = []  # what each node holds while it runs beyond its value (`plan.workspace`)
         self.inputs: set[Hashable] = set()
         self.outputs: set[Hashable] = set()
 
@@ -222,6 +223,7 @@ class _Storages:
         # keys of one type: (-1, its storage) for an original's, (i, the original's) for node i's new one
         self.held.append([(through.get(s, (i if new else -1, s)), size) for s, size in self.storages(n)])
         self.last_read.append(i)
+        self.inside.append(workspace(n))
         if n.op == "placeholder":
             self.inputs.update(s for s, _ in self.held[i])
         elif n.op == "output":
@@ -233,7 +235,7 @@ class _Storages:
 
     def order(self) -> tuple[int, Lives, set[Hashable]]:
         outputs = self.outputs - self.inputs
-        return len(self.held), lives(self.held, self.last_read, self.inputs, outputs), outputs
+        return len(self.held), lives(self.held, self.last_read, self.inputs, outputs, self.inside), outputs
 
 
 def _fresh(graph: fx.Graph, clones: set[fx.Node]) -> list[fx.Node]:
