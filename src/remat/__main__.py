@@ -1,7 +1,5 @@
 """`python -m remat ...`: the command line, also as torchrun's module (`torchrun ... -m remat finetune ...`)."""
 
-import sys
+from remat.cli import run
 
-from remat.cli import main
-
-sys.exit(main())
+run()

@@ -13,19 +13,20 @@ import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, cast
 
 import gguf
 import numpy as np
-import peft
 import safetensors
 import torch
-from peft.tuners.lora import LoraLayer, ParamWrapper
 from torch import nn
 
 from remat.files import listing, staged, staged_file
 from remat.models import ModelError, load_model
 from remat.settings import UsageError, one_line
+
+if TYPE_CHECKING:  # peft takes a second to import: only LoRA pays for it
+    import peft
 
 __all__ = [
     "DEFAULT_BASE",
@@ -108,6 +109,7 @@ def apply_lora(model: nn.Module, s: LoraSettings, *, seed: int = 0) -> peft.Peft
 
     The same seed gives the same initial adapter, and the caller's RNG state is left alone.
     """
+    import peft
     if isinstance(model, peft.PeftModel):
         raise AdapterError("the model already has an adapter")
     _check_settings(model, s)  # before PEFT touches the model, so a bad setting leaves it as it was
@@ -158,6 +160,7 @@ def _maps_rows(m: nn.Linear) -> bool:
 
 def _peft_refused(model: nn.Module) -> set[str]:
     """Linear layer names PEFT refuses as LoRA targets for this model (Mamba's out_proj), asked of PEFT's own check."""
+    import peft
     check = getattr(peft.tuners.tuners_utils, "_check_lora_target_modules_mamba", None)
     if check is None:
         return set()
@@ -185,6 +188,7 @@ def save_adapter(model: peft.PeftModel, out: str | Path, *, base_name: str,
     can express), adapter.gguf is skipped with a warning; layers it cannot express are left out of it, with
     a warning for each kind.
     """
+    import peft
     if not isinstance(model, peft.PeftModel):
         raise AdapterError("the model has no adapter to save (it is not a PEFT model)")
     out = Path(out)
@@ -362,6 +366,7 @@ _PARAMETER_LORA = "PEFT adapts the parameter itself (MoE experts, routers); only
 def _lora_pairs(model: peft.PeftModel) -> Iterator[tuple[str, tuple[torch.Tensor, torch.Tensor] | None]]:
     """(module name in the HF model, (A [r, in], B [out, r])) for each adapted layer; for a LoRA on a
     parameter (PEFT's target_parameters, which "all-linear" adds for fused MoE experts), (its name, None)."""
+    from peft.tuners.lora import LoraLayer, ParamWrapper
     adapter = model.active_adapter
     config: Any = model.peft_config[adapter]  # a LoraConfig (PEFT types it as the base PeftConfig)
     if getattr(config, "use_dora", False) or getattr(config, "lora_bias", False) or config.bias != "none":
@@ -454,6 +459,7 @@ def write_gguf_adapter(model: peft.PeftModel, path: Path, *, base_gguf: Path | N
     family's weights, applied to each pair). With `base_gguf`, every tensor is checked against the base the
     way llama.cpp's loader does. Returns a line for each kind of adapted layer left out of the file.
     """
+    import peft
     if not isinstance(model, peft.PeftModel):
         raise AdapterError("the model has no adapter to export (it is not a PEFT model)")
     arch, rule = _gguf_plan(model.get_base_model())
@@ -485,6 +491,7 @@ def merge_into_base(base_spec: str | None, adapter_dir: str | Path, out: str | P
     base_spec: the base model; None takes the one the adapter records. seed and num_layers are for the
     random-weight presets, as in `load_model`. Returns the written files.
     """
+    import peft
     adapter_dir = Path(adapter_dir)
     if not (adapter_dir / "adapter_config.json").is_file():
         raise AdapterError(f"'{adapter_dir}' is not an adapter folder (no adapter_config.json)")

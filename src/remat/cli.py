@@ -138,6 +138,18 @@ def _show_warning(message, category, *args, **kwargs) -> None:
         print(f"remat: warning: {message}", file=sys.stderr)
 
 
+def run() -> None:
+    """The process's entry (`remat`, `python -m remat`). A plan exits without the interpreter's teardown: freeing
+    its traced graphs' fake tensors one by one takes a second or more, and a plan leaves nothing to clean up."""
+    argv = sys.argv[1:]
+    code = main(argv)
+    if argv[:1] == ["plan"]:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    sys.exit(code)
+
+
 def main(argv: list[str] | None = None) -> int:
     warnings.showwarning = _show_warning  # library deprecation chatter is not for users; renames are
     args = parser().parse_args(argv)

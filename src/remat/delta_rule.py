@@ -13,7 +13,7 @@ so the rule's intermediates are recomputed inside its backward under every polic
 `torch.utils.checkpoint` would.
 
 What an op holds inside (the backward: every chunk's intermediates) is its workspace, which the planner
-adds at the op's node (`plan.WORKSPACE`): run on fake tensors at 3 and 4 chunks (every size in the rule is
+adds at the op's node (`plan.WORKSPACE`): run on the meta device at 3 and 4 chunks (every size in the rule is
 affine in the chunk count) and checked at 5 and 6, so planning costs the same at any window; `plan.measure`
 tracks the real one (`plan.held_inside`). Against the allocator's own events the plan over-counts by about
 6% of the workspace (the tracker's weak references keep autograd from summing some gradients in place);
@@ -273,18 +273,16 @@ def _peak_at(forward: bool, specs: tuple, tokens: int, module: str, chunk_size: 
 
 @functools.lru_cache(maxsize=256)
 def _peak(forward: bool, specs: tuple, tokens: int, to: int, *, module: str, chunk_size: int, l2norm: bool) -> int:
-    """The op's internal peak (bytes of the storages it makes, at most at once), run on fake tensors with its
-    inputs resized from `tokens` to `to` tokens."""
-    from remat.capture import EagerStridesFakeMode  # capture imports this module
-
+    """The op's internal peak (bytes of the storages it makes, at most at once), run on the meta device (eager's
+    own kernels' shapes and strides, several times faster than fake tensors) with its inputs resized from
+    `tokens` to `to` tokens."""
     body: Callable[..., object] = _forward if forward else _backward_of
     flags = FORWARD_TOKENS if forward else BACKWARD_TOKENS
-    with EagerStridesFakeMode():
-        ts = [None if s is None else torch.empty(_with_tokens(s[0], to) if has else s[0], dtype=s[1])
-              for s, has in zip(specs, flags)]
-        peak: list[int] = []
-        with plan.watching(peak):
-            plan.held_inside(lambda: body(*ts, module, chunk_size, l2norm), ts)
+    ts = [None if s is None else torch.empty(_with_tokens(s[0], to) if has else s[0], dtype=s[1], device="meta")
+          for s, has in zip(specs, flags)]
+    peak: list[int] = []
+    with plan.watching(peak):
+        plan.held_inside(lambda: body(*ts, module, chunk_size, l2norm), ts)
     return peak[0]
 
 

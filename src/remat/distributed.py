@@ -49,7 +49,6 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from torch.distributed.optim import ZeroRedundancyOptimizer
 
 from remat import checkpoints
 from remat.settings import RematError, TrainSettings, UsageError, one_line
@@ -124,11 +123,13 @@ class Ranks:
         """AdamW; with several ranks its state sharded across them (ZeRO-1, see the module's docstring)."""
         if not self.parallel:
             return torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay)
+        from torch.distributed.optim import ZeroRedundancyOptimizer  # a second to import: only ranks pay it
+
         return ZeroRedundancyOptimizer(params, optimizer_class=torch.optim.AdamW, lr=lr, weight_decay=weight_decay)
 
     def optimizer_state_bytes(self, optimizer: torch.optim.Optimizer) -> list[int]:
         """Bytes of the optimizer state tensors each rank really holds, rank by rank."""
-        local = optimizer.optim if isinstance(optimizer, ZeroRedundancyOptimizer) else optimizer
+        local = getattr(optimizer, "optim", optimizer)  # ZeroRedundancyOptimizer's own shard, or AdamW
         held = sum(t.untyped_storage().nbytes() for state in local.state.values()
                    for t in state.values() if isinstance(t, torch.Tensor))
         if not self.parallel:
@@ -143,6 +144,8 @@ class Ranks:
         """Every rank calls this; rank 0 writes one checkpoint holding the whole optimizer state."""
         if not self.parallel:
             return checkpoints.save(out, step, trainable, optimizer, losses)
+        from torch.distributed.optim import ZeroRedundancyOptimizer
+
         assert isinstance(optimizer, ZeroRedundancyOptimizer)
         rngs: list[torch.Tensor] = [torch.empty(0)] * self.world_size
         with _collective(self):

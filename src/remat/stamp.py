@@ -1,14 +1,16 @@
-"""The step of an N-layer model, stamped from the trace of its first five layers (plans only).
+"""The step of an N-layer model, stamped from the trace of its first few layers (plans only).
 
 Decoder layers of one type are one function on different weights, so tracing all N of them repeats the
-same work N times (most of `remat plan`'s time). Here the model is traced with its first `TRACED` layers;
-layers 1, 2 and 3 of that trace are checked to be the same graph (op for op, each argument playing the
-same part: its own layer's node, the layer below's output, its own parameter, a shared node), forward
-and backward. Layer 2's forward and backward are then copied for layers 2..N-3, on that layer's
-parameters, between the traced layers 0-1 and the traced last two (renumbered N-2 and N-1). The result
-is the graph the whole trace makes, node for node (`tests/test_stamp.py` holds that on every family of
-the conformance matrix); a model whose layers are not all alike, or whose trace does not split into
-layers this way, is traced whole (`stamp` raises NotStampable).
+same work N times (most of `remat plan`'s time). The layers split into a prefix, units of p alike layers
+(p = 1 for most models; a repeating group for hybrids: qwen3.5's 3 linear-attention layers and 1 full)
+and a suffix (`Units`). The model is traced with its prefix, three units and its suffix; units 1, 2 and 3
+of that trace are checked to be the same graph (op for op, each argument playing the same part: its own
+unit's node, the unit below's output, its own parameter, a shared node), forward and backward. Unit 2's
+forward and backward are then copied for every unit between the first and the last, on their own
+parameters, between the traced prefix and first unit and the traced last unit and suffix (renumbered).
+The result is the graph the whole trace makes, node for node (`tests/test_stamp.py` holds that on every
+family of the conformance matrix); a model whose layers do not repeat, or whose trace does not split
+into layers this way, is traced whole (`stamp` raises NotStampable).
 
 Only plans use it: a stamped graph is never run (its model has fake weights), so a layer that differs
 beyond what the checks see could misplan memory but never change training.
@@ -33,7 +35,8 @@ from remat.marks import LAYER_MARK, MARK_OP
 from remat.plan import _storages
 from remat.policies import layer_index
 
-TRACED = 5  # layers 0, 1 (below the copies), 2 (the copied one), 3, 4 (the last two); 1 and 3 check 2
+SEGMENTS = 5  # the small trace's: the prefix, the unit below the copies, the copied unit, the one above, the suffix
+COPIES = 2  # the fewest units a stamp copies (with fewer, the small trace is most of the whole)
 
 
 class NotStampable(Exception):
@@ -42,20 +45,97 @@ class NotStampable(Exception):
 
 def stamp(model: nn.Module, trace_small: Callable[[], TrainGraph]) -> TrainGraph:
     """The whole model's step from `trace_small()` (the same trace, made while the model has its first
-    TRACED decoder layers); NotStampable, with why, when the model must be traced whole."""
+    `Units.traced` decoder layers); NotStampable, with why, when the model must be traced whole."""
     prepare(model)  # the layer marks are numbered by the whole list, before it is cut
     layers = decoder_layers(model)
-    n = len(layers)
-    if n <= TRACED + 1:
-        raise NotStampable(f"{n} layers: too few to copy one")
-    signatures = [_signature(m) for m in layers]
-    for i, sig in enumerate(signatures[2:], 2):
-        if sig != signatures[1]:
-            raise NotStampable(f"its layers are not all alike: {_difference(signatures[1], sig)} (layers 1, {i})")
+    units = _units([_signature(m) for m in layers])
     prefix = _qualified_name(model, layers)
-    with _first_layers(layers, TRACED):
-        small = trace_small()
-    return _Stamper(small, prefix, n, StepInputs.of(model)).graph()
+    with _first_layers(layers, units.traced):
+        try:
+            small = trace_small()
+        except (KeyError, IndexError) as e:  # a model that keeps tables by layer (Zamba2's) runs no cut list
+            raise NotStampable(f"its first {units.traced} layers do not run alone: {type(e).__name__} {e}") from e
+    return _Stamper(small, prefix, units, StepInputs.of(model)).graph()
+
+
+# ---------------------------------------------------------------------------------------------- units
+
+
+@dataclass(frozen=True)
+class Units:
+    """How the n decoder layers split: a prefix of `a` layers, `count` units of `p` layers (alike unit for unit:
+    one layer for most models, a repeating group for hybrids such as qwen3.5's 3 linear : 1 full), a suffix of
+    `s` layers. The small trace has the prefix, three units (below the copies, the copied one, above) and the
+    suffix; the first layers of a model repeat with the same period, so the small model's suffix is the
+    whole one's. The stamped graph numbers its layers virtually: 0 the prefix, 1..count the units, then the
+    suffix (`layers`)."""
+
+    n: int
+    a: int
+    p: int
+    s: int
+
+    @property
+    def count(self) -> int:
+        return (self.n - self.a - self.s) // self.p
+
+    @property
+    def layers(self) -> int:
+        return self.count + 2
+
+    @property
+    def traced(self) -> int:
+        return self.a + 3 * self.p + self.s
+
+    def small(self, j: int) -> tuple[int, int]:
+        """A traced layer's segment (0 the prefix, 1-3 the units, 4 the suffix) and its place in it."""
+        if j < self.a:
+            return 0, j
+        if j < self.a + 3 * self.p:
+            return 1 + (j - self.a) // self.p, (j - self.a) % self.p
+        return SEGMENTS - 1, j - self.a - 3 * self.p
+
+    def traced_layer(self, segment: int, r: int) -> int:
+        return r if segment == 0 else self.a + (segment - 1) * self.p + r
+
+    def full(self, virtual: int, r: int) -> int:
+        """The model's layer at place r of a virtual layer."""
+        if virtual == 0:
+            return r
+        if virtual == self.layers - 1:
+            return self.n - self.s + r
+        return self.a + (virtual - 1) * self.p + r
+
+    def virtual(self, i: int) -> tuple[int, int]:
+        """The model's layer i's virtual layer and place in it."""
+        if i < self.a:
+            return 0, i
+        if i >= self.n - self.s:
+            return self.layers - 1, i - (self.n - self.s)
+        return 1 + (i - self.a) // self.p, (i - self.a) % self.p
+
+    def ends(self) -> list[int]:
+        """The last traced layer of each segment."""
+        return [self.a - 1, *(self.a + k * self.p - 1 for k in (1, 2, 3)), self.traced - 1]
+
+
+def _units(signatures: list[tuple]) -> Units:
+    """The split that traces the fewest layers: for each period p, the shortest prefix (at least one layer: the
+    first reads the embedding) after which every layer is the one p below it; NotStampable when none copies
+    COPIES units."""
+    n, best = len(signatures), None
+    for p in range(1, n // (3 + COPIES) + 1):
+        a = next((a for a in range(1, n) if all(signatures[j] == signatures[j - p] for j in range(a + p, n))), n)
+        s = (n - a - 1) % p + 1  # at least one: the last layer feeds the head
+        units = Units(n, a, p, s)
+        if units.count >= 3 + COPIES and (best is None or units.traced < best.traced):
+            best = units
+    if best is not None:
+        return best
+    if n < 3 + COPIES + 2:
+        raise NotStampable(f"{n} layers: too few to copy one")
+    i = next(i for i in range(2, n) if signatures[i] != signatures[1])
+    raise NotStampable(f"its layers do not repeat: {_difference(signatures[1], signatures[i])} (layers 1, {i})")
 
 
 # ---------------------------------------------------------------------------------------------- layers
@@ -113,29 +193,31 @@ def _first_layers(layers: nn.ModuleList, k: int) -> Iterator[None]:
 
 @dataclass
 class Segments:
-    """The small trace split by layer: forward F[i] runs from after mark i-1 through mark i (F[0] from the
-    first node). A backward node belongs to the earliest layer it reads (a mark counts as the next layer's
-    input), and backward B[i] runs from the first node of layer i to the first of layer i-1, i = 1..4."""
+    """The small trace split by segment (`Units.small`): forward F[i] runs from after the mark that ends segment
+    i-1 through the one that ends segment i (F[0] from the first node). A backward node belongs to the earliest
+    segment it reads (the mark that ends one counts as the next one's input), and backward B[i] runs from the
+    first node of segment i to the first of segment i-1, i = 1..4."""
 
     forward: list[list[fx.Node]]
     backward: dict[int, list[fx.Node]]
     layer_of: dict[fx.Node, tuple[str, int]]  # node -> ("F" or "B", layer) for nodes in a segment
 
 
-def _segments(tg: TrainGraph, numbering: Numbering) -> Segments:
+def _segments(tg: TrainGraph, numbering: Numbering, units: Units) -> Segments:
     fwd = [n for n in tg.forward_nodes() if n.op != "placeholder"]
-    ends = [i for i, n in enumerate(fwd) if layer_index(n) is not None]
-    if [layer_index(fwd[i]) for i in ends] != list(range(TRACED)):
-        raise NotStampable("the layer marks are not 0..4 in order")
-    forward = [fwd[(ends[i - 1] + 1 if i else 0):ends[i] + 1] for i in range(TRACED)]
+    marks = [i for i, n in enumerate(fwd) if layer_index(n) is not None]
+    if [layer_index(fwd[i]) for i in marks] != list(range(units.traced)):
+        raise NotStampable(f"the layer marks are not 0..{units.traced - 1} in order")
+    ends = [marks[j] for j in units.ends()]
+    forward = [fwd[(ends[i - 1] + 1 if i else 0):ends[i] + 1] for i in range(SEGMENTS)]
     layer_of = {n: ("F", i) for i, seg in enumerate(forward) for n in seg}
     names = dict(zip(tg.placeholders(), tg.names))
-    # a layer's mark is the next layer's input: the backward nodes that read it belong to the next layer
-    label: dict[fx.Node, int] = {n: i + (layer_index(n) is not None) for n, (_, i) in layer_of.items()}
+    # the mark that ends a segment is the next one's input: the backward nodes that read it belong to the next
+    label: dict[fx.Node, int] = {n: i + (n is forward[i][-1]) for n, (_, i) in layer_of.items()}
     for p, name in names.items():
-        i = numbering.layer(name)
-        if i is not None:
-            label[p] = i
+        j = numbering.layer(name)
+        if j is not None:
+            label[p] = units.small(j)[0]
     fset = tg.forward_set()
     backward_nodes = [n for n in tg.graph.nodes if n not in fset and n.op != "output"]
     first: dict[int, int] = {}
@@ -144,10 +226,10 @@ def _segments(tg: TrainGraph, numbering: Numbering) -> Segments:
         if reads:
             label[n] = min(reads)
             first.setdefault(label[n], at)
-    starts = [first.get(i, -1) for i in range(TRACED - 1, -1, -1)]  # layers 4, 3, 2, 1, 0
+    starts = [first.get(i, -1) for i in range(SEGMENTS - 1, -1, -1)]  # segments 4, 3, 2, 1, 0
     if sorted(starts) != starts or starts[0] < 0:
         raise NotStampable("the backward does not run layer by layer")
-    backward = {TRACED - 1 - k: backward_nodes[starts[k]:starts[k + 1]] for k in range(TRACED - 1)}
+    backward = {SEGMENTS - 1 - k: backward_nodes[starts[k]:starts[k + 1]] for k in range(SEGMENTS - 1)}
     layer_of.update((n, ("B", i)) for i, seg in backward.items() for n in seg)
     return Segments(forward, backward, layer_of)
 
@@ -172,11 +254,13 @@ class Numbering:
 
 
 class _Stamper:
-    def __init__(self, small: TrainGraph, prefix: str, n: int, full: StepInputs):
-        self.small, self.n, self.full = small, n, full
+    """Builds the whole graph in virtual layers (`Units`): `n` of them, 0 the prefix, n-1 the suffix."""
+
+    def __init__(self, small: TrainGraph, prefix: str, units: Units, full: StepInputs):
+        self.small, self.units, self.n, self.full = small, units, units.layers, full
         self.name_of = dict(zip(small.placeholders(), small.names))
         self.numbering = Numbering(prefix)
-        self.seg = _segments(small, self.numbering)
+        self.seg = _segments(small, self.numbering, units)
         self.index = {node: i for seg in [*self.seg.forward, *self.seg.backward.values()]
                       for i, node in enumerate(seg)}
         for a, b in ((("F", 1), ("F", 2)), (("F", 2), ("F", 3)), (("B", 1), ("B", 2)), (("B", 2), ("B", 3))):
@@ -185,15 +269,17 @@ class _Stamper:
     # Each argument of a layer's node, by the part it plays; two layers are alike when every node's are equal.
     def _role(self, arg: object, layer: int) -> object:
         if not isinstance(arg, fx.Node):
-            return LAYER_MARK if arg == f"{LAYER_MARK}.{layer}" else arg
+            j = _mark_layer(arg)
+            return arg if j is None else (LAYER_MARK, *_relative(self.units.small(j), layer))
         where = self.seg.layer_of.get(arg)
         if where is None:
             if arg.op == "placeholder":
                 name = self.name_of[arg]
-                i = self.numbering.layer(name)
-                if i is None:
+                j = self.numbering.layer(name)
+                if j is None:
                     return ("param", name)
-                return ("param", self.numbering.renumber(name, 0), i - layer)
+                segment, r = self.units.small(j)
+                return ("param", self.numbering.renumber(name, r), segment - layer)
             return ("shared", arg)
         seg_kind, i = where
         if (seg_kind, i) == ("F", 0) and arg is not self.seg.forward[0][-1]:
@@ -225,8 +311,9 @@ class _Stamper:
         for node, layer in order:
             copied = env[node, layer] = new.node_copy(node, functools.partial(self._read, at=layer, reader=node,
                                                                                 env=env, places=places))
-            if node.target is MARK_OP and layer_index(node) is not None:
-                copied.args = (copied.args[0], f"{LAYER_MARK}.{layer}")
+            j = layer_index(node) if node.target is MARK_OP else None
+            if j is not None:
+                copied.args = (copied.args[0], f"{LAYER_MARK}.{self.units.full(layer, self.units.small(j)[1])}")
         out_small = next(x for x in small.graph.nodes if x.op == "output")
         new.output(self._outputs(out_small, env))
         self._values(new, order, env)
@@ -236,7 +323,7 @@ class _Stamper:
                           boundary=env[small.boundary, last], info=small.info)
 
     def _layer_map(self, i: int, copy: int | None) -> int:
-        """The layer a small-trace layer stands for: 0, 1 as they are; 2 as the copy; 3, 4 as the last two."""
+        """The virtual layer a segment stands for: 0, 1 as they are; 2 as the copy; 3, 4 as the last two."""
         return {0: 0, 1: 1, 2: copy if copy is not None else 2, 3: self.n - 2, 4: self.n - 1}[i]
 
     def _order(self) -> list[tuple[fx.Node, int]]:
@@ -262,9 +349,13 @@ class _Stamper:
         """The new node that `reader`, standing for layer `at`, reads for the small-trace node `arg`."""
         if arg.op == "placeholder":
             name = self.name_of[arg]
-            i = self.numbering.layer(name)
-            if i is not None:
-                name = self.numbering.renumber(name, self._layer_map(i, at if i == 2 else None))
+            j = self.numbering.layer(name)
+            if j is not None:
+                segment, r = self.units.small(j)
+                if segment == 2 and self.seg.layer_of.get(reader, ("", -1))[1] != 2:
+                    raise NotStampable(f"{reader.name} reads the copied unit's {name}")
+                virtual = self._layer_map(segment, at if segment == 2 else None)
+                name = self.numbering.renumber(name, self.units.full(virtual, r))
             return places[name]
         where = self.seg.layer_of.get(arg)
         reader_where = self.seg.layer_of.get(reader)
@@ -340,10 +431,11 @@ class _Stamper:
             if i is None:
                 g, key = by_name[name], self._key(by_name[name], -1)
             else:
-                small_i = i if i <= 1 else TRACED - (self.n - i) if i >= self.n - 2 else 2
-                g = by_name[self.numbering.renumber(name, small_i)]
-                key = self._key(g, i)
-                if (self.seg.layer_of.get(g, ("", -1))[1] == 2) != (small_i == 2):
+                virtual, r = self.units.virtual(i)
+                segment = virtual if virtual <= 1 else SEGMENTS - (self.n - virtual) if virtual >= self.n - 2 else 2
+                g = by_name[self.numbering.renumber(name, self.units.traced_layer(segment, r))]
+                key = self._key(g, virtual)
+                if (self.seg.layer_of.get(g, ("", -1))[1] == 2) != (segment == 2):
                     raise NotStampable(f"the grad of {name} is not made by its own layer")
             if key not in env:
                 raise NotStampable(f"the grad of {name} is made out of order")
@@ -364,6 +456,18 @@ class _Stamper:
                     or (any(a in redone for a in c.all_input_nodes) and _shares_an_input(o))):
                 c.meta["val"] = copied_value(o, c)
                 redone.add(c)
+
+
+def _mark_layer(arg: object) -> int | None:
+    """The layer a mark's label names (`l_out.3`: 3), None for any other argument."""
+    if isinstance(arg, str) and arg.startswith(f"{LAYER_MARK}.") and arg[len(LAYER_MARK) + 1:].isdigit():
+        return int(arg[len(LAYER_MARK) + 1:])
+    return None
+
+
+def _relative(where: tuple[int, int], layer: int) -> tuple[int, int]:
+    """A segment and place, the segment counted from `layer`'s."""
+    return where[0] - layer, where[1]
 
 
 def _shares_an_input(node: fx.Node) -> bool:
