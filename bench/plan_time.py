@@ -1,6 +1,7 @@
 """`remat plan`'s wall time and peak RSS, before and after: two checkouts, one fresh process per run, interleaved.
 
     python bench/plan_time.py                       # before = --before 8c470fb, the last commit before stamping
+    python bench/plan_time.py --same-plan-as 670cfb6  # plans that changed on purpose since before: equal to these
     python bench/plan_time.py --rounds 1 --limit 120 --out /tmp/plan-time
 
 "before" and "after" are git worktrees of `--before` and `--after` (default HEAD) made in a temporary
@@ -8,7 +9,8 @@ folder, run with this checkout's environment (PYTHONPATH puts their `src` first)
 in turn (before, after, before, after, ...) so that a shared machine's drift hits both. A run is
 `python -m remat plan ... --json` (both plans, off and on): its wall time from start to exit, its peak
 RSS from the kernel (`wait4`'s ru_maxrss), and its plans, compared between the checkouts (the plan
-must not change when it gets faster). A run over `--limit` seconds is killed and reported as such;
+must not change when it gets faster; where commits between them changed plans on purpose,
+`--same-plan-as` names a later one to compare with, run once per case, untimed). A run over `--limit` seconds is killed and reported as such;
 that checkout's later rounds of the case are skipped. Both use one REMAT_CACHE_DIR; a first run of
 each on the GGUF, cache cold, is reported apart (`cold_s`): after keeps the GGUF's config there, so
 only its first plan of a GGUF file pays a parse of it.
@@ -73,8 +75,9 @@ def worktree(rev: str, dest: Path) -> Path:
     return dest
 
 
-def measure(checkouts: dict[str, Path], args: list[str], env: dict, rounds: int, limit: float) -> dict:
-    """Each checkout's runs of one case, interleaved; a checkout that timed out is not run again."""
+def measure(checkouts: dict[str, Path], args: list[str], env: dict, rounds: int, limit: float) -> tuple[dict, dict]:
+    """Each checkout's runs of one case, interleaved (a checkout that timed out is not run again), and the
+    plans of each that finished."""
     runs: dict[str, list[dict]] = {name: [] for name in checkouts}
     for _ in range(rounds):
         for name, src in checkouts.items():
@@ -89,14 +92,15 @@ def measure(checkouts: dict[str, Path], args: list[str], env: dict, rounds: int,
                         "seconds_each": [r["seconds"] for r in done],
                         "peak_rss_mib": max((r["peak_rss_mib"] for r in done), default=None)}
     plans = {name: rs[0]["plans"] for name, rs in runs.items() if rs and not rs[0]["timed_out"]}
-    result["same_plan"] = plans["before"] == plans["after"] if len(plans) == 2 else None
-    return result
+    return result, plans
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--before", default="8c470fb", help="the commit to compare with (default: before stamping)")
     p.add_argument("--after", default="HEAD", help="the commit measured against it (default: HEAD)")
+    p.add_argument("--same-plan-as", help="the commit whose plans after's must equal, byte for byte, one untimed "
+                   "run per case (default: before; give one where the plans changed on purpose since before)")
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--limit", type=float, default=240.0, help="seconds a run may take before it is killed")
     p.add_argument("--out", default=str(ROOT / "bench" / "results" / "plan_time"))
@@ -106,20 +110,26 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="remat-plan-time-") as tmp:
         checkouts = {side: worktree(rev, Path(tmp) / side) for side, rev in (("before", args.before),
                                                                                ("after", args.after))}
+        reference = worktree(args.same_plan_as, Path(tmp) / "reference") if args.same_plan_as else None
         env = {**os.environ, "REMAT_CACHE_DIR": str(Path(tmp) / "cache")}
         try:
             cold = {name: run_plan(src, CASES[0][1], env, args.limit)["seconds"] for name, src in checkouts.items()}
             cases = []
             for label, plan_args in CASES:
                 print(f"== {label}", file=sys.stderr)
-                cases.append({"case": label, "args": plan_args,
-                              **measure(checkouts, plan_args, env, args.rounds, args.limit)})
+                result, plans = measure(checkouts, plan_args, env, args.rounds, args.limit)
+                if reference is not None:
+                    plans["before"] = run_plan(reference, plan_args, env, args.limit)["plans"]
+                same = plans.get("before") is not None and plans.get("after") is not None
+                cases.append({"case": label, "args": plan_args, **result,
+                              "same_plan": plans["before"] == plans["after"] if same else None})
         finally:
-            for src in checkouts.values():
+            for src in [*checkouts.values(), *([reference] if reference else [])]:
                 subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(src)], check=False)
     after_rev = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", args.after], capture_output=True,
                                text=True, check=True).stdout.strip()
-    res = {"before": args.before, "after": after_rev, "rounds": args.rounds, "limit_s": args.limit,
+    res = {"before": args.before, "after": after_rev, "same_plan_as": args.same_plan_as or args.before,
+           "rounds": args.rounds, "limit_s": args.limit,
            "target_s": TARGET_S, "machine": f"{platform.machine()}, {os.cpu_count()} CPUs",
            "loadavg_start": load_start, "loadavg_end": [round(x, 2) for x in os.getloadavg()],
            "elapsed_s": round(time.monotonic() - started, 1), "cold_s": cold, "cases": cases}
@@ -145,7 +155,7 @@ def markdown(res: dict) -> str:
     limit = res["limit_s"]
     lines = [f"# `remat plan`: before ({res['before']}) and after ({res['after']})", "",
              "| case | before s | after s | before / after | before peak RSS MiB | after peak RSS MiB "
-             "| same plan | after under 10 s |", "|---|---|---|---|---|---|---|---|"]
+             f"| same plan as {res['same_plan_as']} | after under 10 s |", "|---|---|---|---|---|---|---|---|"]
     for c in res["cases"]:
         b, a = c["before"], c["after"]
         ratio = f"{b['seconds'] / a['seconds']:.2f}" if b["seconds"] and a["seconds"] else "n/a"
@@ -159,9 +169,9 @@ def markdown(res: dict) -> str:
               + ("no (over the limit)" if q34k["timed_out"] else f"{q34k['seconds'] / q512:.2f}x"), "",
               f"Medians of {res['rounds']} runs per checkout, interleaved (before, after, ...); each run is a fresh "
               f"`python -m remat plan ... --json` process, imports included. A run over {limit:.0f} s was killed "
-              "(and not repeated). Peak RSS: the process's maximum resident set (`wait4`). Same plan: both "
-              "checkouts' plans (off and on) are equal, byte for byte. The first plan of the GGUF file, cache "
-              f"cold: before {_cold(res, 'before')} s, after {_cold(res, 'after')} s (after keeps the "
+              "(and not repeated). Peak RSS: the process's maximum resident set (`wait4`). Same plan: after's "
+              f"plans (off and on) equal {res['same_plan_as']}'s, byte for byte. The first plan of the GGUF file, "
+              f"cache cold: before {_cold(res, 'before')} s, after {_cold(res, 'after')} s (after keeps the "
               "config it parses, so later plans read it back). "
               f"{res['machine']}; load average {res['loadavg_start']} at the start, {res['loadavg_end']} "
               f"at the end; {res['elapsed_s']:.0f} s in all."]
