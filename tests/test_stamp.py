@@ -35,9 +35,9 @@ DEPTHS: dict[str, int] = {
 # Families traced whole, with why (what `stamp` says at their depth): the test asserts they still are, so a
 # family that starts to stamp shows up.
 TRACED_WHOLE: dict[str, str] = {
-    "axk2": "reads the copied unit's",
+    "axk2": "another unit's parameter",
     "beam": "the layer attn_residual_add_idx, mlp_residual_add_idx",
-    "deepseek_v32": "reads the copied unit's",
+    "deepseek_v32": "another unit's parameter",
     "diffllama": "self_attn lambda_init",
     "ernie4_5_moe": "differ in length",
     "falcon": "layers 1 and 2 differ at _tensor_constant2 / _tensor_constant4",

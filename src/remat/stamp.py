@@ -270,7 +270,10 @@ class _Stamper:
     def _role(self, arg: object, layer: int) -> object:
         if not isinstance(arg, fx.Node):
             j = _mark_layer(arg)
-            return arg if j is None else (LAYER_MARK, *_relative(self.units.small(j), layer))
+            if j is None:
+                return arg
+            segment, r = self.units.small(j)
+            return (LAYER_MARK, segment - layer, r)
         where = self.seg.layer_of.get(arg)
         if where is None:
             if arg.op == "placeholder":
@@ -352,8 +355,9 @@ class _Stamper:
             j = self.numbering.layer(name)
             if j is not None:
                 segment, r = self.units.small(j)
-                if segment == 2 and self.seg.layer_of.get(reader, ("", -1))[1] != 2:
-                    raise NotStampable(f"{reader.name} reads the copied unit's {name}")
+                copied_reader = self.seg.layer_of.get(reader, ("", -1))[1] == 2
+                if (segment == 2) != copied_reader and segment != 0:  # a copy reads its own and the prefix's only
+                    raise NotStampable(f"{reader.name} reads {name}, another unit's parameter")
                 virtual = self._layer_map(segment, at if segment == 2 else None)
                 name = self.numbering.renumber(name, self.units.full(virtual, r))
             return places[name]
@@ -463,11 +467,6 @@ def _mark_layer(arg: object) -> int | None:
     if isinstance(arg, str) and arg.startswith(f"{LAYER_MARK}.") and arg[len(LAYER_MARK) + 1:].isdigit():
         return int(arg[len(LAYER_MARK) + 1:])
     return None
-
-
-def _relative(where: tuple[int, int], layer: int) -> tuple[int, int]:
-    """A segment and place, the segment counted from `layer`'s."""
-    return where[0] - layer, where[1]
 
 
 def _shares_an_input(node: fx.Node) -> bool:
