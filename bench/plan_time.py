@@ -10,10 +10,10 @@ in turn (before, after, before, after, ...) so that a shared machine's drift hit
 `python -m remat plan ... --json` (both plans, off and on): its wall time from start to exit, its peak
 RSS from the kernel (`wait4`'s ru_maxrss), and its plans, compared between the checkouts (the plan
 must not change when it gets faster; where commits between them changed plans on purpose,
-`--same-plan-as` names a later one to compare with, run once per case, untimed). A run over `--limit` seconds is killed and reported as such;
-that checkout's later rounds of the case are skipped. Both use one REMAT_CACHE_DIR; a first run of
-each on the GGUF, cache cold, is reported apart (`cold_s`): after keeps the GGUF's config there, so
-only its first plan of a GGUF file pays a parse of it.
+`--same-plan-as` names a later one to compare with, run once per case, untimed). A run over
+`--limit` seconds is killed and reported as such; that checkout's later rounds of the case are skipped.
+Both use one REMAT_CACHE_DIR; a first run of each on the GGUF, cache cold, is reported apart (`cold_s`):
+after keeps the GGUF's config there, so only its first plan of a GGUF file pays a parse of it.
 Writes results.json, results.md and results.png into --out (default bench/results/plan_time).
 """
 

@@ -151,7 +151,6 @@ def test_cli_lora_flag():
     assert (args.lora, args.path, args.walk) == (True, "walk", "truncated")
 
 
-
 @pytest.mark.skipif(not Path("/proc/self/clear_refs").exists(), reason="the process peak reads Linux's VmHWM")
 def test_process_peak_measures_the_step_not_the_heap_before():
     """Two variants interleaved in one process, as the bench runs them: eager, whose step frees ~25 MiB,

@@ -26,9 +26,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import copy
-import ctypes
 import functools
-import gc
 import json
 import platform
 import statistics
@@ -45,7 +43,7 @@ from torch import nn
 from remat import adapters, models, step
 from remat.graph import StepInputs
 from remat.hf import causal_lm_loss
-from remat.plan import plan, process_peak, reset_process_peak, resident, return_freed_memory
+from remat.plan import plan, process_peak, reset_process_peak, resident, return_freed_memory, trim_heap
 from remat.settings import MiB, TrainSettings, UsageError
 from remat.train import BatchRunner, Hooks
 
@@ -99,27 +97,6 @@ def peak_during(fn: Callable[[], T], device: torch.device) -> tuple[T, int]:
         live += e.nbytes()
         peak = max(peak, live)
     return result, peak
-
-
-@functools.cache
-def _libc() -> ctypes.CDLL | None:
-    try:
-        return ctypes.CDLL("libc.so.6")
-    except OSError:
-        return None
-
-
-def trim_heap() -> None:
-    """Collect garbage, then have glibc give the heap memory it holds freed back to the kernel (`malloc_trim(0)`,
-    every arena), so that the resident set is what is live. Where libc has no `malloc_trim`, only the collection.
-
-    Without it, a step that follows another in one process reuses the heap that step freed (tensors under
-    the 1 MiB mmap threshold of `plan.return_freed_memory`) without growing the resident set: its process peak
-    above its start reads near 0 however much it allocates."""
-    gc.collect()
-    libc = _libc()
-    if libc is not None and hasattr(libc, "malloc_trim"):
-        libc.malloc_trim(0)
 
 
 # ---------------------------------------------------------------------------------------- variants

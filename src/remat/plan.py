@@ -17,6 +17,8 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import ctypes
+import functools
+import gc
 from collections.abc import Callable, Hashable, Iterator, Sequence, Set
 from dataclasses import asdict, dataclass
 
@@ -352,17 +354,37 @@ def available_memory(device: torch.device | str = "cpu") -> int:
     raise OSError("cannot read MemAvailable from /proc/meminfo")
 
 
+@functools.cache
+def _libc() -> ctypes.CDLL | None:
+    """glibc, where the process has it."""
+    try:
+        return ctypes.CDLL("libc.so.6")
+    except OSError:
+        return None
+
+
 def return_freed_memory() -> None:
     """Have glibc give large freed blocks (1 MiB and up) back to the kernel at once.
 
     By default glibc raises its mmap threshold as large blocks are freed (up to 32 MiB) and then serves
     them from its heap, which it cannot shrink past a live block: the process peak grows past what is live
     (SmolLM2 LoRA at ctx 1024, recompute on: 1,910 MiB against 1,303 with this set). Elsewhere, a no-op."""
-    try:
-        libc = ctypes.CDLL("libc.so.6")
-    except OSError:
-        return
-    libc.mallopt(-3, 1 << 20)  # M_MMAP_THRESHOLD, which also turns the dynamic threshold off
+    libc = _libc()
+    if libc is not None:
+        libc.mallopt(-3, 1 << 20)  # M_MMAP_THRESHOLD, which also turns the dynamic threshold off
+
+
+def trim_heap() -> None:
+    """Collect garbage, then have glibc give the heap memory it holds freed back to the kernel (`malloc_trim(0)`,
+    every arena), so that the resident set is what is live. Where libc has no `malloc_trim`, only the collection.
+
+    Without it, a step that follows another in one process reuses the heap that step freed (tensors under
+    the 1 MiB mmap threshold of `return_freed_memory`) without growing the resident set: its process peak
+    above its start reads near 0 however much it allocates (the bench's interleaved variants)."""
+    gc.collect()
+    libc = _libc()
+    if libc is not None and hasattr(libc, "malloc_trim"):
+        libc.malloc_trim(0)
 
 
 def resident() -> int:
