@@ -14,6 +14,7 @@ import pytest
 import torch
 import transformers
 from peft.tuners.lora import ParamWrapper
+from transformers import AttentionInterface
 from transformers.modeling_gguf_pytorch_utils import (
     TENSOR_PROCESSORS,
     BloomTensorProcessor,
@@ -384,11 +385,30 @@ def gguf_to_hf(arch: str, gguf_name: str, delta: np.ndarray, config) -> np.ndarr
 
 
 def falcon_gguf_rows(attn: torch.nn.Module, w: torch.Tensor) -> torch.Tensor:
-    """A fused query_key_value weight in llama.cpp's [all q; all k; all v] rows, split by Falcon's own code."""
-    q, k, v = attn._split_heads(w.T[None])  # each column of W as one position: [1, in, heads, head_dim]
-    per_kv = attn.num_heads // attn.num_kv_heads
-    k, v = k[:, :, ::per_kv], v[:, :, ::per_kv]  # new architecture: one K/V head per group, broadcast to the group
-    return torch.cat([t[0].reshape(w.shape[1], -1).T for t in (q, k, v)])
+    """A fused query_key_value weight in llama.cpp's [all q; all k; all v] rows, split by Falcon's own forward:
+    its `query_key_value` returns W's columns as positions, and the attention function it calls receives
+    the query, key and value heads it split them into."""
+    split: list[torch.Tensor] = []
+
+    def capture(module, query, key, value, *args, **kwargs):  # [1, heads, positions, head_dim] each
+        split.extend((query, key, value))
+        return query.new_zeros(1, query.shape[2], query.shape[1] * query.shape[3]), None
+
+    AttentionInterface.register("remat_capture", capture)
+    positions = w.shape[1]
+    rope = (torch.ones(1, positions, attn.head_dim), torch.zeros(1, positions, attn.head_dim))  # the identity
+    hook = attn.query_key_value.register_forward_hook(lambda module, args, out: w.T[None].to(out.dtype))
+    implementation, attn.config._attn_implementation = attn.config._attn_implementation, "remat_capture"
+    try:
+        with torch.no_grad():
+            attn(torch.zeros(1, positions, attn.hidden_size), None, position_embeddings=rope)
+    finally:
+        attn.config._attn_implementation = implementation
+        hook.remove()
+    q, k, v = split
+    per_kv = k.shape[1] // attn.num_kv_heads  # transformers < 5.25 broadcast each K/V head to its query group
+    return torch.cat([t[0, ::step].transpose(0, 1).reshape(positions, -1).T
+                      for t, step in ((q, 1), (k, per_kv), (v, per_kv))])
 
 
 def lora_and_deltas(name: str, extra: dict) -> tuple[peft.PeftModel, dict[str, torch.Tensor]]:

@@ -24,8 +24,8 @@ DEPTHS: dict[str, int] = {
     **dict.fromkeys(["afmoe", "axk1", "axk2", "bailing_hybrid", "cohere2", "cohere2_moe", "cwm", "deepseek_v32",
                      "exaone4", "exaone_moe", "gemma2", "gemma3_text", "glm4_moe_lite", "gpt_neo", "gpt_oss",
                      "granite_swa", "granitemoe_swa", "hy_v3", "jamba", "kimi_linear", "kolibri1", "laguna",
-                     "mimo_v2_flash", "minimax", "olmo3", "olmo_hybrid", "qwen3_5_moe_text", "qwen3_5_text",
-                     "qwen3_next", "vaultgemma"], 12),
+                     "mimo_v2_flash", "minicpm5_moe", "minimax", "olmo3", "olmo_hybrid", "qwen3_5_moe_text",
+                     "qwen3_5_text", "qwen3_next", "vaultgemma"], 12),
     **dict.fromkeys(["bamba", "ernie4_5_moe", "llama4_text"], 8),  # dense first layers, then alike ones
     "flint": 13,
     **dict.fromkeys(["lara_mini", "lfm3", "recurrent_gemma"], 17),
@@ -40,7 +40,6 @@ TRACED_WHOLE: dict[str, str] = {
     "deepseek_v32": "another unit's parameter",
     "diffllama": "self_attn lambda_init",
     "ernie4_5_moe": "differ in length",
-    "falcon": "layers 1 and 2 differ at _tensor_constant2 / _tensor_constant4",
     "gpt_neo": "differ at _tensor_constant",
     "gpt_neox_japanese": "attention dense_bias, use_bias",
     "hrm_text": "2 layers: too few to copy one",

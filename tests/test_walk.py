@@ -386,12 +386,17 @@ def test_exact_walk_gives_the_windows_loss_and_grads(name, chunks):
 @pytest.fixture
 def delta_rule_in_fp64(monkeypatch):
     """qwen3.5's chunked delta rule computes in fp32 whatever the model's dtype: here it keeps fp64."""
+    import ast
     import inspect
 
     from transformers.models.qwen3_5 import modeling_qwen3_5 as qwen35
 
+    # Its source from the module's: the module-level name may be a kernel wrapper (transformers >= 5.25).
+    source = inspect.getsource(qwen35)
+    rule = next(n for n in ast.parse(source).body
+                if isinstance(n, ast.FunctionDef) and n.name == "torch_chunk_gated_delta_rule")
     namespace = dict(vars(qwen35))
-    exec(inspect.getsource(qwen35.torch_chunk_gated_delta_rule).replace("torch.float32", "torch.float64"), namespace)
+    exec(ast.get_source_segment(source, rule).replace("torch.float32", "torch.float64"), namespace)  # no decorators
     monkeypatch.setattr(qwen35, "torch_chunk_gated_delta_rule", namespace["torch_chunk_gated_delta_rule"])
 
 

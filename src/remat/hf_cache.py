@@ -4,12 +4,12 @@ that attention and recurrent layers call over the walk's persistent buffers (bes
 from __future__ import annotations
 
 import contextlib
-import inspect
 from typing import Any
 
 import torch
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensor
+from torch.utils._pytree import tree_leaves
 
 from remat.hf import UnsupportedModel, causal_lm, decoder_layers, decoder_of, prepare
 from remat.settings import one_line
@@ -51,6 +51,9 @@ class _ProbeCache:
     def is_recording_past(self, layer_idx: int) -> bool:
         return False
 
+    def get_recurrent_states_to_keep(self, layer_idx: int | None = None) -> int:
+        return 0  # per-token states are kept only while recording the past, which the walk never does
+
     def update_conv_state(self, conv_input, layer_idx: int, conv_kernel_size: int, state_idx: int = 0, **kwargs):
         self.shapes[_name("conv", layer_idx, state_idx)] = (*conv_input.shape[:-1], conv_kernel_size)
         return torch.cat([conv_input.new_zeros(*conv_input.shape[:-1], conv_kernel_size), conv_input], dim=-1)
@@ -60,16 +63,45 @@ class _ProbeCache:
         return recurrent
 
 
-def _without_initial_state(layer: nn.Module) -> str | None:
-    """The class of a recurrent mixer in `layer` whose sequence scan does not start from the carried state."""
-    for m in layer.modules():
-        try:
-            source = inspect.getsource(type(m))
-        except (OSError, TypeError):
-            continue
-        if "update_recurrent_state" in source and "initial_state" not in source:
-            return type(m).__name__
-    return None
+class _CarriedStateProbe(_ProbeCache):
+    """The probe cache handing each layer a carried recurrent state (zeros), recording which layers' states
+    reach an op: a scan that never reads the state it is handed starts every chunk from zero."""
+
+    def __init__(self, shapes: dict[str, tuple[int, ...]], dtype: torch.dtype):
+        super().__init__()
+        self.carried = {k: torch.zeros(v, dtype=dtype) for k, v in shapes.items() if k.startswith("recurrent.")}
+        self.read: set[str] = set()
+
+    def get_recurrent_state(self, layer_idx: int, state_idx: int = 0):
+        return self.carried.get(_name("recurrent", layer_idx, state_idx))
+
+
+class _StateReads(torch.overrides.TorchFunctionMode):
+    """Which of the probe's carried states an op takes as an argument (reading a size is not using it)."""
+
+    def __init__(self, probe: _CarriedStateProbe):
+        super().__init__()
+        self.probe = probe
+        self.names = {id(t): k for k, t in probe.carried.items()}
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if getattr(func, "__name__", "") != "__get__":
+            for t in tree_leaves((args, kwargs)):
+                if id(t) in self.names:
+                    self.probe.read.add(self.names[id(t)])
+        return func(*args, **kwargs)
+
+
+def _scans_from_zero(lm: Any, batch: int, shapes: dict[str, tuple[int, ...]]) -> list[int]:
+    """The layers whose sequence scan ignores the recurrent state carried in (Mamba's selective scan takes no
+    initial state): the walk would start each chunk of theirs from zero."""
+    fake = next((p for p in lm.parameters() if isinstance(p, FakeTensor)), None)
+    with fake.fake_mode if fake is not None else contextlib.nullcontext():
+        probe = _CarriedStateProbe(shapes, next(lm.parameters()).dtype)
+    with _StateReads(probe):
+        _run_probe(lm, batch, probe)
+    return sorted({int(k.split(".")[1]) for k in probe.carried.keys() - probe.read})
 
 
 class _PaddedProbeCache(_ProbeCache):
@@ -155,11 +187,14 @@ def state_shapes(model: nn.Module, batch: int, ctx: int) -> dict[str, tuple[int,
     if reads_length[ctx]:
         raise UnsupportedModel(f"the walk path does not support {lm.config.model_type}: its attention masks by the "
                                "cache's length, not by positions (the walk's cache holds the whole window)")
-    layers = decoder_layers(lm)
-    for i, layer in enumerate(layers):
-        if any(k.split(".")[:2] == ["recurrent", str(i)] for k in shapes) and (cls := _without_initial_state(layer)):
-            raise UnsupportedModel(f"the walk path does not support {cls} layers: their sequence scan does not "
-                                   "start from the state carried in from the previous chunk")
+    if any(k.startswith("recurrent.") for k in shapes):
+        from_zero = lm.__dict__.setdefault("_remat_scans_from_zero", {})
+        if batch not in from_zero:
+            from_zero[batch] = _scans_from_zero(lm, batch, shapes)
+        if from_zero[batch]:
+            layer = decoder_layers(lm)[from_zero[batch][0]]
+            raise UnsupportedModel(f"the walk path does not support {type(layer).__name__} layers: their sequence "
+                                   "scan does not start from the state carried in from the previous chunk")
     if not shapes:
         raise UnsupportedModel(f"the walk path does not support {lm.config.model_type}: its layers keep no cache")
     return {k: (*v[:2], ctx, *v[3:]) if k[:2] in ("k.", "v.") else tuple(v) for k, v in shapes.items()}
@@ -203,6 +238,9 @@ class WalkCache:
 
     def is_recording_past(self, layer_idx: int) -> bool:
         return False
+
+    def get_recurrent_states_to_keep(self, layer_idx: int | None = None) -> int:
+        return 0
 
     def update_conv_state(self, conv_input: torch.Tensor, layer_idx: int, conv_kernel_size: int, state_idx: int = 0,
                           **kwargs):
