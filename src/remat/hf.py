@@ -166,6 +166,19 @@ def _decoder_slot(lm: Any) -> tuple[nn.Module, str]:
     raise UnsupportedModel(f"{type(lm).__name__}: its decoder is not one of its modules")
 
 
+_only_pieces: list[list[int]] = []  # while `traced_pieces` is on: the loss pieces that run (the rest are stamped)
+
+
+@contextlib.contextmanager
+def traced_pieces(pieces: list[int]):
+    """While tracing a step to stamp its loss head (`remat.pieces`): only these pieces of the loss run."""
+    _only_pieces.append(pieces)
+    try:
+        yield
+    finally:
+        _only_pieces.pop()
+
+
 def model_loss(model: nn.Module, labels: torch.Tensor, loss_chunk: int = 0, n_targets: torch.Tensor | None = None,
                **forward: object) -> torch.Tensor:
     """Cross-entropy of the model's own logits (its forward: head, scaling, softcapping) plus its aux loss.
@@ -185,7 +198,8 @@ def model_loss(model: nn.Module, labels: torch.Tensor, loss_chunk: int = 0, n_ta
     try:
         total: torch.Tensor | int = 0
         aux = None
-        for i in range(0, n, step):
+        starts = range(0, n, step)
+        for i in [starts[k] for k in _only_pieces[-1]] if _only_pieces else starts:
             once.piece = slice(i, i + step) if step < n else slice(None)
             out = lm(**forward)
             if i == 0:

@@ -16,7 +16,7 @@ import torch
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensor
 
-from remat import adapters, models, policies, stamp, walk
+from remat import adapters, models, pieces, policies, stamp, walk
 from remat.capture import EagerStridesFakeMode, capture
 from remat.graph import TrainGraph
 from remat.plan import Plan, mib, plan
@@ -90,10 +90,18 @@ def _trace(model: nn.Module, shape: StepShape) -> TrainGraph:
     def whole() -> TrainGraph:
         return capture(model, ids, ids.clone(), loss_chunk=shape.loss_chunk)  # two tensors: two inputs
 
-    if any(isinstance(p, FakeTensor) for p in model.parameters()):  # only planned, never run: stamp its layers
+    if not any(isinstance(p, FakeTensor) for p in model.parameters()):
+        return whole()
+
+    def loss_pieces_stamped() -> TrainGraph:
         with contextlib.suppress(stamp.NotStampable):
-            return stamp.stamp(model, whole)
-    return whole()
+            return pieces.stamp(whole, shape.ctx, shape.loss_chunk)
+        return whole()
+
+    # only planned, never run: stamp its layers and its loss's pieces
+    with contextlib.suppress(stamp.NotStampable):
+        return stamp.stamp(model, loss_pieces_stamped)
+    return loss_pieces_stamped()
 
 
 def plans(model: nn.Module, shape: StepShape, which: tuple[str, ...] = ("off", "on")) -> dict[str, Plan]:
