@@ -34,8 +34,10 @@ The choices, and why:
   on a shared file system.
 - **Failures**: a collective waits at most `--dist-timeout` seconds; a rank that raises leaves the
   group at once (its sockets close), so the others' next collective fails within moments instead of
-  hanging; they stop with `PeerFailed` (one line, exit 1). Under torchrun the agent also stops the
-  other workers when one fails.
+  hanging; they stop with `PeerFailed` (one line, exit 1), leaving their broken group as it is and the
+  process without teardown (`cli.run`): gloo's threads, torn down with a dead peer, could abort it
+  (std::terminate, 1 run in 4 before). Under torchrun the agent also stops the other workers when one
+  fails.
 """
 
 from __future__ import annotations
@@ -43,6 +45,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 import os
+import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -215,8 +218,17 @@ def group(timeout_s: float) -> Iterator[Ranks]:
                 raise
         raise
     finally:
-        if owns:
+        if owns and not _broken.is_set():
             dist.destroy_process_group()
+
+
+_broken = threading.Event()  # a collective failed: a peer died or left, and this process's group is not torn down
+
+
+def left_broken() -> bool:
+    """Whether a collective of this process failed. Its process group is left as it is: tearing down gloo's
+    threads with a dead peer can abort the process (std::terminate) instead of exiting with the one line."""
+    return _broken.is_set()
 
 
 def is_main() -> bool:
@@ -229,6 +241,7 @@ def _collective(ranks: Ranks) -> Iterator[None]:
     try:
         yield
     except RuntimeError as e:  # gloo and NCCL raise RuntimeError (DistError derives from it)
+        _broken.set()
         raise PeerFailed(f"rank {ranks.rank} of {ranks.world_size}: another process of the run failed, left "
                          f"or did not answer (see its error): {one_line(e, 200)}") from e
 
