@@ -242,7 +242,8 @@ def test_non_streaming_completion_is_cancelled_on_disconnect(server):
             time.sleep(0.02)
     hung_up = time.monotonic()
     out = server.ok("POST", "/completion", {"prompt": "next", "n_predict": 2})  # the only slot, freed
-    assert out["tokens_predicted"] == 2 and time.monotonic() - hung_up < 1.5
+    # one token when it samples the end of text first (it did, once in many runs)
+    assert out["tokens_predicted"] in (1, 2) and time.monotonic() - hung_up < 1.5
 
 
 # ---------------------------------------------------------------------------------------------------------
