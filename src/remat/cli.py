@@ -141,11 +141,11 @@ def _show_warning(message, category, *args, **kwargs) -> None:
 def run() -> None:
     """The process's entry (`remat`, `python -m remat`). A plan exits without the interpreter's teardown: freeing
     its traced graphs' fake tensors one by one takes a second or more, and a plan leaves nothing to clean up.
-    So does a rank whose run lost a peer: gloo's threads, torn down with a dead peer, can abort the process."""
+    So does a rank of a data-parallel run: torch's distributed objects destroyed at exit can abort it."""
     argv = sys.argv[1:]
     code = main(argv)
     distributed = sys.modules.get("remat.distributed")  # imported by the commands that can run on several ranks
-    if argv[:1] == ["plan"] or (distributed is not None and distributed.left_broken()):
+    if argv[:1] == ["plan"] or (distributed is not None and distributed.joined_a_group()):
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(code)

@@ -34,10 +34,10 @@ The choices, and why:
   on a shared file system.
 - **Failures**: a collective waits at most `--dist-timeout` seconds; a rank that raises leaves the
   group at once (its sockets close), so the others' next collective fails within moments instead of
-  hanging; they stop with `PeerFailed` (one line, exit 1), leaving their broken group as it is and the
-  process without teardown (`cli.run`): gloo's threads, torn down with a dead peer, could abort it
-  (std::terminate, 1 run in 4 before). Under torchrun the agent also stops the other workers when one
-  fails.
+  hanging; they stop with `PeerFailed` (one line, exit 1), leaving their broken group as it is. A
+  process that joined a group ends without the interpreter's teardown (`cli.run`): torch's distributed
+  objects destroyed at exit could abort it (std::terminate). Under torchrun the agent also stops the
+  other workers when one fails.
 """
 
 from __future__ import annotations
@@ -210,6 +210,7 @@ def group(timeout_s: float) -> Iterator[Ranks]:
             dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
         except Exception as e:  # a rendezvous that fails or times out: one line, not a traceback
             raise PeerFailed(f"rank {ranks.rank} of {ranks.world_size}: cannot join the others: {one_line(e)}") from e
+        _joined.set()
     try:
         yield ranks
     except RuntimeError as e:
@@ -222,13 +223,15 @@ def group(timeout_s: float) -> Iterator[Ranks]:
             dist.destroy_process_group()
 
 
+_joined = threading.Event()  # this process joined a process group
 _broken = threading.Event()  # a collective failed: a peer died or left, and this process's group is not torn down
 
 
-def left_broken() -> bool:
-    """Whether a collective of this process failed. Its process group is left as it is: tearing down gloo's
-    threads with a dead peer can abort the process (std::terminate) instead of exiting with the one line."""
-    return _broken.is_set()
+def joined_a_group() -> bool:
+    """Whether this process joined a process group: it ends without the interpreter's teardown (`cli.run`).
+    torch's distributed objects destroyed at exit (a peer gone, or going) can abort the process
+    (std::terminate: exit -6 after the run had finished, 1 run in 4 with a killed peer, rarer without)."""
+    return _joined.is_set()
 
 
 def is_main() -> bool:

@@ -109,6 +109,8 @@ def _piece_of(rest: list[fx.Node], before: set[fx.Node]) -> list[fx.Node]:
 
 
 class _PieceStamper:
+    """The small trace split by piece, checked, and copied out to all N pieces (`graph`)."""
+
     def __init__(self, small: TrainGraph, n: int, step: int, pieces: list[int]):
         self.small, self.n, self.step, self.pieces = small, n, step, pieces
         self.seg = _segments(small, step, pieces)
