@@ -27,7 +27,7 @@ from torch.fx._lazy_graph_module import _LazyGraphModule
 from remat.capture import _fake_on, copied_value
 from remat.graph import TrainGraph
 from remat.hf import traced_pieces
-from remat.stamp import NotStampable, _mapped, _shares_an_input
+from remat.stamp import NotStampable, _mapped, _shares_an_input, backward_starts
 
 aten = torch.ops.aten
 # The ops that take a position along the window (dim 1): op -> (index of its dim, indexes of its bounds).
@@ -74,17 +74,7 @@ def _segments(small: TrainGraph, step: int, pieces: list[int]) -> _Segments:
     forward.append(_piece_of(fwd[starts[-1]:], set(forward[-1])))
     where = {n: ("F", s) for s, seg in enumerate(forward) for n in seg}
     label = {n: s for n, (_, s) in where.items()}
-    fset = small.forward_set()
-    bwd = [n for n in small.graph.nodes if n not in fset and n.op != "output"]
-    first: dict[int, int] = {}
-    for at, n in enumerate(bwd):
-        reads = [label[a] for a in n.all_input_nodes if a in label]
-        if reads:
-            label[n] = min(reads)
-            first.setdefault(label[n], at)
-    order = [first.get(s, -1) for s in range(len(pieces) - 1, -1, -1)]  # the backward runs the last piece first
-    if sorted(order) != order or order[0] < 0:
-        raise NotStampable("the loss's backward does not run piece by piece")
+    bwd, order = backward_starts(small, label, len(pieces), "the loss's backward does not run piece by piece")
     backward = [bwd[order[len(pieces) - 1 - s]:(order[len(pieces) - s] if s else len(bwd))]
                 for s in range(len(pieces))]
     for s in (1, MIDDLE, 3):

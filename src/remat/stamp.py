@@ -218,20 +218,28 @@ def _segments(tg: TrainGraph, numbering: Numbering, units: Units) -> Segments:
         j = numbering.layer(name)
         if j is not None:
             label[p] = units.small(j)[0]
+    backward_nodes, starts = backward_starts(tg, label, SEGMENTS, "the backward does not run layer by layer")
+    backward = {SEGMENTS - 1 - k: backward_nodes[starts[k]:starts[k + 1]] for k in range(SEGMENTS - 1)}
+    layer_of.update((n, ("B", i)) for i, seg in backward.items() for n in seg)
+    return Segments(forward, backward, layer_of)
+
+
+def backward_starts(tg: TrainGraph, label: dict[fx.Node, int], count: int, refusal: str) -> tuple[list, list[int]]:
+    """The backward's nodes, and where segments count-1 .. 0 start among them (the backward runs the last
+    first). A backward node belongs to the earliest segment it reads (`label`, given for the forward's
+    nodes, gets the backward's too); NotStampable(`refusal`) unless the segments start in that order."""
     fset = tg.forward_set()
-    backward_nodes = [n for n in tg.graph.nodes if n not in fset and n.op != "output"]
+    nodes = [n for n in tg.graph.nodes if n not in fset and n.op != "output"]
     first: dict[int, int] = {}
-    for at, n in enumerate(backward_nodes):
+    for at, n in enumerate(nodes):
         reads = [label[a] for a in n.all_input_nodes if a in label]
         if reads:
             label[n] = min(reads)
             first.setdefault(label[n], at)
-    starts = [first.get(i, -1) for i in range(SEGMENTS - 1, -1, -1)]  # segments 4, 3, 2, 1, 0
+    starts = [first.get(i, -1) for i in range(count - 1, -1, -1)]
     if sorted(starts) != starts or starts[0] < 0:
-        raise NotStampable("the backward does not run layer by layer")
-    backward = {SEGMENTS - 1 - k: backward_nodes[starts[k]:starts[k + 1]] for k in range(SEGMENTS - 1)}
-    layer_of.update((n, ("B", i)) for i, seg in backward.items() for n in seg)
-    return Segments(forward, backward, layer_of)
+        raise NotStampable(refusal)
+    return nodes, starts
 
 
 class Numbering:
