@@ -75,14 +75,16 @@ class Client:
         return out
 
 
-def start_server(args: argparse.Namespace, state_dir: Path, log_path: Path) -> tuple[subprocess.Popen, Client]:
+def start_server(args: argparse.Namespace, state_dir: Path, log_path: Path,
+                 src: Path = ROOT / "src") -> tuple[subprocess.Popen, Client]:
+    """`remat serve` from the checkout whose sources are `src`, ready (its /health answers 200)."""
     port = free_port()
     cmd = [sys.executable, "-m", "remat.serve.app", "--port", str(port), "--state-dir", str(state_dir),
            "--parallel", str(CONCURRENCY), "--max-slowdown-ppm", str(args.max_slowdown_ppm),
            "--threads", str(args.threads)]
     if args.model:
         cmd += ["--model", args.model]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")])}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(src), os.environ.get("PYTHONPATH", "")])}
     with open(log_path, "ab") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
     client = Client(port)

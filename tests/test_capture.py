@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import gc
+
 import pytest
 import torch
 from torch import fx
@@ -14,6 +16,7 @@ from remat.capture import EagerStridesFakeMode
 from remat.graph import ROLES, StepInputs, interpret
 from remat.hf import causal_lm_loss
 from remat.models import load_model
+from remat.plan import per_rank, plan
 from remat.settings import TrainSettings
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -106,6 +109,50 @@ def test_step_build_traces_once_and_reuses():
     assert all(step.build(model, shape, p) is g for p, g in graphs.items())
     assert step.build(model, shape, True) is step.build(model, shape, "layer") is graphs["on"]  # one policy
     assert cap.trace_count() == before + 1
+
+
+def test_a_shape_is_planned_once_and_each_caller_gets_its_own_copy(monkeypatch):
+    """The server's second `POST /train` of a shape re-plans nothing: its plans come from the cache, equal to
+    the plans of the graphs themselves, each a copy (the trainer writes what it measures into its own), and
+    a rank count has plans of its own (its ZeRO share of the optimizer)."""
+    model = load_model("tiny-llama", seed=0).model
+    shape = step.StepShape.of(TrainSettings(model="tiny-llama", ctx=32, batch=1))
+    first = step.plans(model, shape)
+    made = []
+    monkeypatch.setattr(step, "plan", lambda *a: made.append(a))
+    monkeypatch.setattr(step.Rewriter, "plan", lambda *a: made.append(a))
+    again = step.plans(model, shape)
+    assert made == [] and again == first
+    assert all(again[k] is not first[k] for k in first)
+    again["on"].runtime = 1 << 30
+    assert step.plans(model, shape)["on"].runtime == first["on"].runtime
+    monkeypatch.undo()
+    assert {k: plan(step.build(model, shape, k)) for k in first} == first
+    with per_rank(2):
+        halves = step.plans(model, shape)
+    assert halves["on"].optimizer < first["on"].optimizer
+    assert halves["on"].graph == first["on"].graph
+
+
+def test_building_and_planning_run_no_garbage_collection():
+    """A trace makes ~10^5 objects in a burst, and the collections they start walk the whole heap (a third of
+    the time of a new shape's plan, SmolLM2). None runs while a step is built and planned; the collector is
+    on again after."""
+    model = load_model("tiny-llama", seed=0).model
+    shape = step.StepShape.of(TrainSettings(model="tiny-llama", ctx=48, batch=1))
+    started: list[int] = []
+
+    def count(phase: str, info: dict) -> None:
+        if phase == "start":
+            started.append(info["generation"])
+
+    gc.callbacks.append(count)
+    try:
+        step.choose(model, shape, "auto", 1 << 40)
+    finally:
+        gc.callbacks.remove(count)
+    assert started == []
+    assert gc.isenabled()
 
 
 def test_boundary_splits_forward_from_backward(case):

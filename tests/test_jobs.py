@@ -235,6 +235,28 @@ def test_plan_is_submit_without_the_queue(tmp_path):
         m.close()
 
 
+def test_a_default_job_is_planned_on_what_the_manager_built_as_it_started(tmp_path, monkeypatch):
+    """The planning model of a default job (fake weights, the default LoRA) is built as the manager starts, not
+    during the first `POST /train`; the first plan builds no other, and a job with another LoRA gets its own."""
+    from remat import step
+
+    built: list[bool] = []
+    make = step.planning_model
+    monkeypatch.setattr(step, "planning_model", lambda config, s: built.append(s.lora) or make(config, s))
+    m = new_manager(tmp_path)
+    try:
+        deadline = time.monotonic() + 60
+        while not built and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert built == [True]
+        assert m.plan(SMALL)["policy"] == "off"
+        assert built == [True]
+        m.plan({**SMALL, "lora": {"r": 4}})
+        assert built == [True, True]
+    finally:
+        m.close()
+
+
 def test_close_interrupts_the_running_job(tmp_path):
     m = new_manager(tmp_path)
     r = m.submit(LONG)

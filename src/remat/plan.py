@@ -258,6 +258,11 @@ def per_rank(world_size: int) -> Iterator[None]:
         _WORLD.reset(token)
 
 
+def world_size() -> int:
+    """The rank count plans are made for now (`per_rank`; 1 outside it)."""
+    return _WORLD.get()
+
+
 def zero_shards(numels: list[int], world_size: int) -> list[int]:
     """Elements of optimizer state per rank as ZeroRedundancyOptimizer partitions them: whole tensors,
     largest first, each to the rank holding the least so far (one process: all of them)."""

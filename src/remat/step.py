@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import bisect
 import contextlib
+import dataclasses
 import itertools
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -16,10 +17,10 @@ import torch
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensor
 
-from remat import adapters, models, pieces, policies, stamp, walk
+from remat import adapters, collector, models, pieces, policies, stamp, walk
 from remat.capture import EagerStridesFakeMode, capture
 from remat.graph import TrainGraph
-from remat.plan import Plan, mib, plan
+from remat.plan import Plan, mib, plan, world_size
 from remat.recompute import Rewriter, keep_reasons, saved_nodes
 from remat.settings import GateRefused, TrainSettings
 
@@ -41,6 +42,7 @@ class StepShape:
         return cls(s.path, s.batch, s.ctx, s.ubatch if on_walk else None, s.loss_chunk, s.walk if on_walk else None)
 
 
+@collector.paused
 def build(model: nn.Module, shape: StepShape, policy: str | bool) -> TrainGraph:
     """The traced (and, unless the policy is "off", rewritten) step for this model and shape, traced once.
 
@@ -60,8 +62,8 @@ def _key(model: nn.Module, shape: StepShape) -> tuple:
     return shape, tuple(n for n, p in model.named_parameters() if p.requires_grad)
 
 
-def _cache(model: nn.Module, shape: StepShape) -> dict[str, TrainGraph]:
-    return model.__dict__.setdefault("_remat_graphs", {}).setdefault(_key(model, shape), {})
+def _cache(model: nn.Module, shape: StepShape, kind: str = "_remat_graphs") -> dict:
+    return model.__dict__.setdefault(kind, {}).setdefault(_key(model, shape), {})
 
 
 def _rewriter(model: nn.Module, shape: StepShape) -> Rewriter:
@@ -104,18 +106,23 @@ def _trace(model: nn.Module, shape: StepShape) -> TrainGraph:
     return loss_pieces_stamped()
 
 
+@collector.paused
 def plans(model: nn.Module, shape: StepShape, which: tuple[str, ...] = ("off", "on")) -> dict[str, Plan]:
     """The memory plan of the step under each policy named (off, on, layer, dots, every:K)."""
     return {k: _plan(model, shape, k) for k in which}
 
 
 def _plan(model: nn.Module, shape: StepShape, policy: str) -> Plan:
-    """`plan(build(model, shape, policy))`; a rewrite not made yet is planned without making it."""
+    """`plan(build(model, shape, policy))`, made once per rank count (the optimizer's share); a rewrite not made
+    yet is planned without making it. A copy: the trainer fills in what it measures."""
     name = policy_name(policy)
-    chosen = None if name in _cache(model, shape) else policies.parse(name)
-    if chosen is None:  # off, or a graph already made
-        return plan(build(model, shape, name))
-    return _rewriter(model, shape).plan(chosen)
+    made = _cache(model, shape, "_remat_plans")
+    key = name, world_size()
+    if key not in made:
+        chosen = None if name in _cache(model, shape) else policies.parse(name)
+        # off, or a graph already made; else a rewrite planned without making it
+        made[key] = plan(build(model, shape, name)) if chosen is None else _rewriter(model, shape).plan(chosen)
+    return dataclasses.replace(made[key])
 
 
 # From most memory (fastest) to least; each saves a subset of what the one before it saves. every:K recomputes
@@ -138,6 +145,7 @@ class Choice:
         return self.plans[self.policy]
 
 
+@collector.paused
 def choose(model: nn.Module, shape: StepShape, recompute: str, budget: int) -> Choice:
     """The gate: the fastest plan that fits `budget` among those `recompute` allows, or GateRefused.
 

@@ -25,13 +25,11 @@ from __future__ import annotations
 
 import codecs
 import functools
-import gc
 import json
 import json.scanner
 import math
 import re
 import sys
-import threading
 import types
 import typing
 from collections.abc import Awaitable, Callable, Iterator
@@ -43,9 +41,10 @@ from pydantic import BaseModel, ConfigDict, TypeAdapter, ValidationError
 from pydantic.fields import FieldInfo
 from starlette.concurrency import run_in_threadpool
 
+from remat import collector
 from remat.serve.errors import ApiError
 
-__all__ = ["Parsed", "answer", "dump", "gc_paused", "loads", "openapi_body", "read", "reader", "release",
+__all__ = ["Parsed", "answer", "dump", "loads", "openapi_body", "read", "reader", "release",
            "validate"]
 
 M = TypeVar("M", bound=BaseModel)
@@ -58,30 +57,6 @@ _scan = json.scanner.make_scanner(json.JSONDecoder())  # type: ignore[arg-type]
 WINDOW = 1 << 18  # characters one C scan may look at (~1 ms), unless one string is longer
 SLICE = 512  # list items validated or freed per C call (~1 ms)
 NEAR_END = 16  # a scan that fails or ends this close to the window's end may only have run out of text
-
-
-class _GcPause:
-    """No cyclic garbage collection while any thread is inside (the first in turns it off, the last out
-    restores it)."""
-
-    def __init__(self) -> None:
-        self.lock, self.holders, self.was_enabled = threading.Lock(), 0, False
-
-    def __enter__(self) -> None:
-        with self.lock:
-            if self.holders == 0:
-                self.was_enabled = gc.isenabled()
-                gc.disable()
-            self.holders += 1
-
-    def __exit__(self, *exc: object) -> None:
-        with self.lock:
-            self.holders -= 1
-            if self.holders == 0 and self.was_enabled:
-                gc.enable()
-
-
-gc_paused = _GcPause()
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -435,7 +410,7 @@ def validate(model: type[M], raw: bytes | list[bytes]) -> M:
     A refused body's objects are freed here, not in the thread that handles the error (the event loop)."""
     if not any(raw) if isinstance(raw, list) else not raw:
         raise RequestValidationError([{"type": "missing", "loc": ("body",), "msg": "Field required", "input": None}])
-    with gc_paused:
+    with collector.paused:
         try:
             data = loads(raw)
         except (ValueError, RecursionError) as e:
@@ -484,7 +459,7 @@ def reader(model: type[M]) -> Callable[[Request], Awaitable[M]]:
 def _answer(fn: Callable[[M], R], parsed: Parsed[M]) -> R:
     box = [parsed.take()]  # the body's only reference, once `fn` returns, unless `fn` kept it
     error: ApiError | None = None
-    with gc_paused:
+    with collector.paused:
         try:
             answer = fn(box[0])
         except ApiError as e:  # raised anew below: its traceback's frames hold the body, freed here

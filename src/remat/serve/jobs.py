@@ -502,13 +502,9 @@ class JobManager:
     def _choose(self, s: TrainSettings, budget: int) -> dict:
         """The gate on the graph the job will run, traced on fake tensors (no weights): the policy that
         fits, why, and the plans; 422 with the plans when nothing fits."""
-        lora = (s.lora_r, s.lora_alpha, s.lora_dropout, tuple(s.lora_targets or ())) if s.lora else None
         with self._planning():
             try:
-                model = self._models.get(lora)
-                if model is None:
-                    model = self._models[lora] = step.planning_model(self._model_config(), s)
-                choice = step.choose(model, step.StepShape.of(s), s.recompute, budget)
+                choice = step.choose(self._planning_model(s), step.StepShape.of(s), s.recompute, budget)
             except GateRefused as e:
                 raise _refused(str(e), {"plans": e.plans, "budget": budget}) from None
             except adapters.AdapterError as e:
@@ -521,6 +517,24 @@ class JobManager:
                                type="server_error") from None
         return {"plans": {k: p.as_dict() for k, p in choice.plans.items()}, "policy": choice.policy,
                 "recompute": choice.policy != "off", "recompute_reason": choice.reason, "budget": budget}
+
+    def _planning_model(self, s: TrainSettings) -> nn.Module:
+        """The served model on fake tensors with the LoRA `s` asks for, one per adapter shape (the graphs of
+        every shape planned cache on it); call with the torch lock held (`_planning`)."""
+        lora = (s.lora_r, s.lora_alpha, s.lora_dropout, tuple(s.lora_targets or ())) if s.lora else None
+        if lora not in self._models:
+            self._models[lora] = step.planning_model(self._model_config(), s)
+        return self._models[lora]
+
+    def _warm(self) -> None:
+        """Build what every first `POST /train` of a default job needs (the LoRA gate's linear shapes, the
+        planning model): ~0.5 s of its answer (SmolLM2). A failure is left for that request to report."""
+        try:
+            self._linear_shapes()
+            with self._planning():
+                self._planning_model(TrainSettings(model=self.model, out="<job folder>"))
+        except Exception:  # the request that needs it says why, as a 4xx or 500 of its own
+            log.debug("warming the planner failed", exc_info=True)
 
     @contextlib.contextmanager
     def _planning(self) -> Iterator[None]:
@@ -540,6 +554,7 @@ class JobManager:
     # ------------------------------------------------------------------------------------------ worker
 
     def _work(self) -> None:
+        self._warm()
         while True:
             with self._lock:
                 while not self._queue and not self._closing:
