@@ -235,6 +235,8 @@ def test_finetune_json_receipt_and_saved_model(cli, tmp_path):
     receipt = r.json()  # the whole of stdout is one JSON object
     assert isinstance(receipt, dict) and r.out.count("\n") == 1 and r.out.endswith("}\n"), r
     assert "finetune" in r.err and "3/3" in r.err, r  # the progress bar went to stderr
+    gate = r.err.index("recompute: off (recompute not needed")  # the gate's answer and plans, before the first step
+    assert gate < r.err.index("recompute off *") < r.err.index("1/3"), r.err
 
     finite_losses(r, 3)
     assert receipt["recompute"] is False  # auto, and 3 MiB fits any machine's free memory

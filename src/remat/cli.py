@@ -192,9 +192,13 @@ def table(plans: dict, ran: str | None = None) -> str:
 
 def cmd_finetune(args: argparse.Namespace) -> int:
     from remat import distributed
-    from remat.train import finetune
+    from remat.train import Hooks, finetune
 
-    receipt = finetune(settings_from(TrainSettings, args), progress=True)
+    def show_plan(gate: dict) -> None:  # before the first step: a long run shows what it will hold at once
+        print(f"recompute: {gate['policy']} ({gate['recompute_reason']})\n{table(gate['plans'], ran=gate['policy'])}",
+              file=sys.stderr, flush=True)
+
+    receipt = finetune(settings_from(TrainSettings, args), progress=True, hooks=Hooks(on_plan=show_plan))
     if not distributed.is_main():  # a data-parallel run: rank 0 alone prints the receipt
         return 0
     r = receipt.as_dict()

@@ -33,10 +33,12 @@ from remat.settings import GateRefused, TrainSettings, UsageError, percentile
 
 @dataclass
 class Hooks:
-    """Calls a caller (the server) gets: before each chunk (it may wait, or raise Cancelled), after each step."""
+    """Calls a caller (the CLI, the server) gets: the gate's answer, before each chunk (it may wait, or raise
+    Cancelled), after each step."""
 
     before_chunk: Callable[[], None] = lambda: None
     on_step: Callable[[dict], None] = lambda event: None
+    on_plan: Callable[[dict], None] = lambda gate: None  # the gate's answer, before the first step (main rank)
 
 
 class BatchRunner:
@@ -150,6 +152,9 @@ def _finetune(s: TrainSettings, dp: distributed.Ranks, *, progress: bool, hooks:
         choice = step.choose(model, shape, s.recompute, budget)
     for p in choice.plans.values():  # the budget covers what the job allocates; the total, the whole process
         p.runtime, p.trace = runtime, trace
+    if dp.is_main:
+        hooks.on_plan({"policy": choice.policy, "recompute_reason": choice.reason, "budget": budget,
+                       "plans": {k: p.as_dict() for k, p in choice.plans.items()}})
     graph = step.build(model, shape, choice.policy)
     preflight(graph, next(model.parameters()).device)
     tensors = StepInputs.of(model)
