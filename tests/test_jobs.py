@@ -138,6 +138,48 @@ def test_cancel_while_yielding_and_while_queued(tmp_path):
         m.close()
 
 
+def test_resuming_a_job_while_another_trains(tmp_path, monkeypatch):
+    """The gate plans a resumed job again while another job trains: the planner waits for the trainer's
+    chunk, and the trainer records its step meanwhile. Here the trainer, holding the device, records a step
+    once a planner waits: the resume held the job lock as it planned, so both stopped (the planner for the
+    device, the trainer for the lock). A manager stopped so is left to its daemon threads, not closed."""
+    import threading
+
+    m = new_manager(tmp_path)
+    running = m.submit(LONG)
+    stopped = m.submit({**SMALL, "steps": 3})
+    assert m.cancel(stopped["id"], wait=0)["status"] == "cancelled"
+    wait_for(m, running["id"], "step")
+    record, in_step = m._on_step, threading.Event()
+
+    def once_a_planner_waits(*args) -> None:
+        in_step.set()
+        deadline = time.monotonic() + 5
+        while not m._planners and time.monotonic() < deadline:
+            time.sleep(0.001)
+        record(*args)
+
+    monkeypatch.setattr(m, "_on_step", once_a_planner_waits)
+    assert in_step.wait(30)
+    answer: list[dict] = []
+    resume = threading.Thread(target=lambda: answer.append(m.resume(stopped["id"])), daemon=True)
+    resume.start()
+    resume.join(60)
+    assert answer and answer[0]["status"] == "queued", "the resume and the trainer wait for each other"
+    monkeypatch.setattr(m, "_on_step", record)
+    step = m.get(running["id"])["step"]
+    wait_for(m, running["id"], "step", after=m.events_since(running["id"])[-1]["id"])
+    assert m.get(running["id"])["step"] > step  # the trainer goes on
+    with pytest.raises(ApiError) as e:
+        m.resume(stopped["id"])  # queued now: not resumable twice
+    assert (e.value.status, e.value.code) == (409, "not_resumable")
+    queued = m.events_since(stopped["id"])[-1]
+    assert queued["event"] == "queued"
+    m.cancel(running["id"])
+    assert wait_for(m, stopped["id"], "succeeded", after=queued["id"])[-1]["event"] == "succeeded"
+    m.close()
+
+
 def test_unknown_job_is_404(manager):
     for call in (manager.get, manager.cancel, manager.events_since, manager.resume):
         with pytest.raises(ApiError) as e:
@@ -255,6 +297,50 @@ def test_a_default_job_is_planned_on_what_the_manager_built_as_it_started(tmp_pa
         assert built == [True, True]
     finally:
         m.close()
+
+
+def test_a_lora_made_while_the_server_loads_an_adapter_keeps_its_weights(tmp_path, monkeypatch):
+    """PEFT's low_cpu_mem_usage loading (how the engine loads an adapter to decode with) patches
+    nn.Module.register_parameter for the whole process while it runs: a LoRA attached meanwhile in another
+    thread (a planner's, a training job's) got empty meta weights, and its plan failed ("cpu and meta").
+    Making modules holds `models.module_lock`: with an adapter load held open for up to 2 s, a planning model
+    made meanwhile has real LoRA weights."""
+    import threading
+
+    import peft
+    from peft.utils.integrations import init_empty_weights
+
+    from remat import models, step
+    from remat.serve.engine import Engine
+    from remat.settings import TrainSettings
+
+    engine = Engine("tiny-llama", n_ctx=64, scheduler=Scheduler())
+    engine.load()
+    (tmp_path / "adapter_config.json").write_text("{}")
+    loading, made, refused = threading.Event(), threading.Event(), []
+
+    def held_open(*args, **kwargs):  # PEFT's empty-weights window, held until the other model is made
+        with init_empty_weights():
+            loading.set()
+            made.wait(2)
+        raise ValueError("this test only holds the window open")
+
+    def load() -> None:
+        try:
+            engine._load_adapter(0, str(tmp_path))
+        except ApiError as e:
+            refused.append(e.status)
+
+    monkeypatch.setattr(peft.PeftModel, "from_pretrained", held_open)
+    loader = threading.Thread(target=load)
+    loader.start()
+    assert loading.wait(30)
+    model = step.planning_model(models.load_config("tiny-llama"), TrainSettings(model="tiny-llama", out="x"))
+    made.set()
+    loader.join()
+    assert refused == [400]
+    lora = [p for n, p in model.named_parameters() if "lora_" in n]
+    assert lora and all(p.device.type == "cpu" for p in lora), {p.device for p in lora}
 
 
 def test_close_interrupts_the_running_job(tmp_path):

@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from remat.files import listing, staged, staged_file
-from remat.models import ModelError, load_model
+from remat.models import ModelError, load_model, module_lock
 from remat.settings import UsageError, one_line
 
 if TYPE_CHECKING:  # peft takes a second to import: only LoRA pays for it
@@ -133,7 +133,7 @@ def apply_lora(model: nn.Module, s: LoraSettings, *, seed: int = 0) -> peft.Peft
             why = [f"{', '.join(sorted(refused))}: PEFT does not support them for this model"] if refused else []
             why += [f"{', '.join(sorted(odd))}: their forward is not x @ W.T + b, which LoRA adds to"] if odd else []
             note = f"LoRA leaves out {'; '.join(why)}"
-    with torch.random.fork_rng(devices=[]):
+    with module_lock, torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         wrapped = peft.get_peft_model(model, config)
     if note:

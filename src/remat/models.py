@@ -13,6 +13,7 @@ import json
 import os
 import pathlib
 import struct
+import threading
 from dataclasses import dataclass
 from typing import Any
 
@@ -60,6 +61,10 @@ PRESETS: dict[str, str] = {
 }
 # Presets with random weights and the tiny byte tokenizer; the others only describe real models for planning.
 TRAINABLE_PRESETS = ("tiny-llama", "tiny-qwen35")
+# Held while modules are made. PEFT's `low_cpu_mem_usage` loading (the server loads adapters so) patches
+# nn.Module.register_parameter for the whole process while it runs: a module made meanwhile, in any thread,
+# gets empty (meta) weights. Whoever makes modules (a model, a LoRA, that loading) holds it; it is innermost.
+module_lock = threading.RLock()
 
 CHATML_TEMPLATE = (
     "{% for message in messages %}"
@@ -226,7 +231,7 @@ def load_config(spec: str | None, *, num_layers: int | None = None) -> transform
 
 def build_from_config(config: transformers.PretrainedConfig, *, seed: int = 0) -> transformers.PreTrainedModel:
     """A causal LM with random float32 weights; the same seed gives the same weights."""
-    with torch.random.fork_rng(devices=[]):  # leave the caller's RNG state alone
+    with module_lock, torch.random.fork_rng(devices=[]):  # leave the caller's RNG state alone
         torch.manual_seed(seed)
         try:
             # transformers' default attention (SDPA where the model has it); remat selects its own in hf.prepare
@@ -336,6 +341,11 @@ def load_model(spec: str | None = None, *, seed: int = 0, num_layers: int | None
     folder (config.json + *.safetensors + tokenizer), or a config.json inside such a folder.
     seed and num_layers only apply to the random-weight presets.
     """
+    with module_lock:
+        return _load_model(spec, seed, num_layers)
+
+
+def _load_model(spec: str | None, seed: int, num_layers: int | None) -> LoadedModel:
     kind, target = _resolve(spec)
     if kind == "preset":
         if target not in TRAINABLE_PRESETS:

@@ -380,21 +380,23 @@ class Engine:
     def _load_adapter(self, adapter_id: int, path: str) -> None:
         import peft
 
+        from remat.models import module_lock
+
         name = f"adapter_{adapter_id}"
         if adapter_id in self._loaded and self._peft is not None:  # the same id at a new path: replace it
             self._peft.delete_adapter(self._loaded.pop(adapter_id)[0])
         if not (Path(path) / "adapter_config.json").is_file():
             raise ApiError(400, f"adapter {adapter_id} cannot be loaded: '{path}' has no adapter_config.json")
+        # low_cpu_mem_usage: the LoRA layers are made empty and filled from the file, with no random init, so
+        # loading never draws from the global RNG a training job may be using. While it runs, every module
+        # made in the process is empty: the lock keeps the trainer and the planner from making one meanwhile.
         try:
-            # low_cpu_mem_usage: the LoRA layers are made empty and filled from the file, with no random
-            # init, so loading never draws from the global RNG a training job may be using.
-            if self._peft is None:
-                self._peft = peft.PeftModel.from_pretrained(self.model, path, adapter_name=name,
-                                                            is_trainable=False, low_cpu_mem_usage=True)
-            else:
-                self._peft.load_adapter(path, adapter_name=name, is_trainable=False, low_cpu_mem_usage=True)
-        except ApiError:
-            raise
+            with module_lock:
+                if self._peft is None:
+                    self._peft = peft.PeftModel.from_pretrained(self.model, path, adapter_name=name,
+                                                                is_trainable=False, low_cpu_mem_usage=True)
+                else:
+                    self._peft.load_adapter(path, adapter_name=name, is_trainable=False, low_cpu_mem_usage=True)
         except Exception as e:  # noqa: BLE001 - PEFT raises many kinds; all mean it does not fit
             raise ApiError(400, f"adapter {adapter_id} does not fit the served model: {one_line(e)}") from None
         self._loaded[adapter_id] = (name, path)

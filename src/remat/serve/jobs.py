@@ -350,20 +350,27 @@ class JobManager:
         """Requeue a failed or cancelled job; it continues from its last checkpoint (or starts over)."""
         self._check_open()
         with self._lock:
-            row = self._row(job_id)
-            if row["status"] not in ("failed", "cancelled"):
-                raise ApiError(409, f"training job {job_id} is {row['status']}: only a failed or cancelled job "
-                               "can be resumed", code="not_resumable")
-            # memory may have changed since the job was submitted: the gate answers again
-            stored = json.loads(row["settings"]) | {"model": self.model, "out": str(self.state_dir / "jobs" / job_id)}
-            s = TrainSettings(**stored)
-            plan = self._choose(s, self._budget(s))
+            s = self._resumable(job_id)
+        # memory may have changed since the job was submitted: the gate answers again. Not under self._lock:
+        # planning waits for the trainer's chunk, and the trainer records its step under that lock first.
+        plan = self._choose(s, self._budget(s))
+        with self._lock:
+            self._resumable(job_id)  # another resume may have queued it meanwhile
             self._db.execute("UPDATE jobs SET status = 'queued', reason = NULL, finished = NULL, plan = ? "
                              "WHERE id = ?", (_dumps(plan), job_id))
             self._event(job_id, "queued", {"resumed_from_step": self._checkpoint_step(job_id)})
             self._queue.append(job_id)
             self._changed.notify_all()
             return self.get(job_id)
+
+    def _resumable(self, job_id: str) -> TrainSettings:
+        """The settings a failed or cancelled job resumes with; 409 for any other (caller holds self._lock)."""
+        row = self._row(job_id)
+        if row["status"] not in ("failed", "cancelled"):
+            raise ApiError(409, f"training job {job_id} is {row['status']}: only a failed or cancelled job "
+                           "can be resumed", code="not_resumable")
+        stored = json.loads(row["settings"]) | {"model": self.model, "out": str(self.state_dir / "jobs" / job_id)}
+        return TrainSettings(**stored)
 
     def adapters(self) -> builtins.list[dict]:
         """Finished LoRA adapters in llama.cpp's /lora-adapters shape, plus name and job."""
