@@ -277,10 +277,11 @@ def test_plan_is_submit_without_the_queue(tmp_path):
         m.close()
 
 
-def test_a_default_job_is_planned_on_what_the_manager_built_as_it_started(tmp_path, monkeypatch):
-    """The planning model of a default job (fake weights, the default LoRA) is built as the manager starts, not
-    during the first `POST /train`; the first plan builds no other, and a job with another LoRA gets its own."""
-    from remat import step
+def test_a_default_job_is_planned_as_the_manager_starts(tmp_path, monkeypatch):
+    """What the first `POST /train` of a job of the server's defaults (the web page's) needs is made as the
+    manager starts: its planning model (fake weights, the default LoRA) and the plans of its shape. That
+    request traces nothing; a job of another shape traces once, and one with another LoRA gets its own model."""
+    from remat import capture, step
 
     built: list[bool] = []
     make = step.planning_model
@@ -290,9 +291,13 @@ def test_a_default_job_is_planned_on_what_the_manager_built_as_it_started(tmp_pa
         deadline = time.monotonic() + 60
         while not built and time.monotonic() < deadline:
             time.sleep(0.05)
+        with m._planning():  # the start's planning done
+            traces = capture.trace_count()
         assert built == [True]
-        assert m.plan(SMALL)["policy"] == "off"
-        assert built == [True]
+        defaults = m.plan({"data": RECORDS})
+        assert defaults["policy"] == "off" and capture.trace_count() == traces and built == [True]
+        m.plan(SMALL)
+        assert capture.trace_count() == traces + 1 and built == [True]
         m.plan({**SMALL, "lora": {"r": 4}})
         assert built == [True, True]
     finally:

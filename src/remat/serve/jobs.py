@@ -451,6 +451,11 @@ class JobManager:
             body.release(dumped)
         fields.pop("model", None)  # like llama.cpp's server: a server trains the model it serves
         name = fields.pop("name", None)
+        return self._job_settings(fields), records, name
+
+    def _job_settings(self, fields: dict) -> TrainSettings:
+        """A job's TrainSettings from its request's fields (data, model and name aside), the server's
+        defaults filled in."""
         max_ctx = int(self._model_config().max_position_embeddings)
         ctx = fields.setdefault("ctx", min(256, max_ctx))
         if ctx > max_ctx:
@@ -464,10 +469,9 @@ class JobManager:
             fields.update({f"lora_{k}": v for k, v in lora.items()})
         fields.setdefault("save_every", self.save_every or None)
         try:
-            s = TrainSettings(model=self.model, out="<job folder>", **fields)
+            return TrainSettings(model=self.model, out="<job folder>", **fields)
         except ValidationError as e:
             raise ApiError(400, describe(e, flags=False), code="invalid_request") from None
-        return s, records, name
 
     def _lora_gate(self, s: TrainSettings, budget: int) -> None:
         """Refuse (422) a LoRA whose own weights, grads and AdamW states exceed the budget, from the base
@@ -534,12 +538,14 @@ class JobManager:
         return self._models[lora]
 
     def _warm(self) -> None:
-        """Build what every first `POST /train` of a default job needs (the LoRA gate's linear shapes, the
-        planning model): ~0.5 s of its answer (SmolLM2). A failure is left for that request to report."""
+        """Make what the first `POST /train` of a job of the server's defaults (the web page's) needs: the
+        LoRA gate's linear shapes, the planning model and the plans of its shape (SmolLM2: 1.4 s of its
+        answer). A failure is left for that request to report."""
         try:
             self._linear_shapes()
+            s = self._job_settings({})
             with self._planning():
-                self._planning_model(TrainSettings(model=self.model, out="<job folder>"))
+                step.plans(self._planning_model(s), step.StepShape.of(s))
         except Exception:  # the request that needs it says why, as a 4xx or 500 of its own
             log.debug("warming the planner failed", exc_info=True)
 
