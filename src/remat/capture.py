@@ -24,6 +24,7 @@ from torch._subclasses.fake_tensor import (
     FakeTensor,
     FakeTensorMode,
 )
+from torch.fx._lazy_graph_module import _use_lazy_graph_module
 from torch.fx.experimental.proxy_tensor import get_proxy_mode, make_fx
 from torch.multiprocessing.reductions import StorageWeakRef
 
@@ -115,7 +116,8 @@ def trace(model: nn.Module, loss_fn, inputs: dict[str, tuple[str, torch.Tensor]]
     example = [t if isinstance(t, FakeTensor) else mode.from_tensor(t) for t in example]
     with mode:
         example += [torch.zeros_like(t) for t in example[:len(sum_names)]]
-    with torch.enable_grad(), mode, delta_rule.swapped(model):
+    # a lazy module makes its Python code on its first call: a trace that is only planned never pays for it
+    with torch.enable_grad(), mode, delta_rule.swapped(model), _use_lazy_graph_module(True):
         gm = make_fx(step)(*example)
     _traces["count"] += 1
     sum_in_place(gm, boundary[0])
