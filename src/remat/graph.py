@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 from torch import fx, nn
+from torch.fx._lazy_graph_module import _LazyGraphModule
 
 from remat.marks import mark_name
 
@@ -56,6 +57,11 @@ class TrainGraph:
 
     def marks(self) -> dict[fx.Node, str]:
         return {n: name for n in self.graph.nodes if (name := mark_name(n)) is not None}
+
+    def make_code(self) -> None:
+        """Make the graph's Python code now, not on its first call (graphs are traced lazy: one only planned
+        never needs it), where the memory it takes is measured (`train`: the plans' `trace`)."""
+        _LazyGraphModule.force_recompile(self.gm)
 
     def __call__(self, *args: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
         with torch.no_grad():  # the backward is in the graph: autograd must not record it again

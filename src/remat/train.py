@@ -143,8 +143,8 @@ def _finetune(s: TrainSettings, dp: distributed.Ranks, *, progress: bool, hooks:
 
     shape = step.StepShape.of(local)
     before = resident()
-    for name in ("off", "on"):  # traced once for every plan (the gate shows both): what they hold stays
-        step.build(model, shape, name)
+    for name in ("off", "on"):  # traced once for every plan (the gate shows both): what they hold stays, code too
+        step.build(model, shape, name).make_code()
     trace = resident() - before
     if s.memory_budget is None:  # the free memory was read before the trace took its share
         budget -= trace
