@@ -8,8 +8,9 @@ of a shape not planned yet traces and plans it first. This starts one real serve
 the embedded SmolLM2-135M) from a git worktree of `--before` and one from `--after` (default HEAD), both
 running at once, idle but for this, and waits `--settle` seconds once both are up. Then it asks each for
 `POST /train/plan` (what `POST /train` answers, less the queued job: the same validation, plan and gate) in
-turn, the order alternating from one request to the next: a new window size for both each time, LoRA (the
-server's default job) and full fine-tuning, then shapes asked before (a server keeps its plans by shape).
+turn, the order alternating from one request to the next: first a job of the server's defaults (what the
+web page sends), then a new window size for both each time, LoRA (the server's default) and full
+fine-tuning, then shapes asked before (a server keeps its plans by shape).
 A request's seconds are the client's, from sending to the whole answer read. Both answers are 200 with the
 same plans, policy and steps (the budget is the free memory of the moment). Writes results.json,
 results.md and results.png into --out (default bench/results/train_answer).
@@ -32,7 +33,7 @@ from plan_time import worktree
 from serve_slowdown import CONCURRENCY, Client, corpus_records, start_server
 
 ROOT = Path(__file__).resolve().parent.parent
-NEW_LORA = [256, 320, 384, 448, 512, 640, 768, 1024, 1536, 2048]  # ctx: each new to the server when asked
+NEW_LORA = [320, 384, 448, 512, 640, 768, 1024, 1536, 2048]  # ctx: each new to the server when asked
 NEW_FULL = [288, 576, 1152]
 REPEATED = [256, 512, 2048]  # asked again, LoRA
 TARGET_S = 1.0  # "about a second"
@@ -40,7 +41,8 @@ TARGET_S = 1.0  # "about a second"
 
 def requests() -> list[tuple[str, dict]]:
     """(kind, the request's settings besides data), in the order asked."""
-    return ([("new shape, LoRA", {"ctx": c}) for c in NEW_LORA]
+    return ([("the server's default job, first asked", {})]  # ctx 256, LoRA: the web page's
+            + [("new shape, LoRA", {"ctx": c}) for c in NEW_LORA]
             + [("new shape, full", {"ctx": c, "lora": False}) for c in NEW_FULL]
             + [("repeated shape, LoRA", {"ctx": c}) for c in REPEATED])
 
@@ -130,7 +132,7 @@ def markdown(res: dict) -> str:
                      f"| {s['after']['max_s']:.2f} |")
     lines += ["", "| request | ctx | before s | after s | asked first | same answer |", "|---|---|---|---|---|---|"]
     for r in res["requests"]:
-        lines.append(f"| {r['kind']} | {r['ctx']} | {r['before']:.2f} | {r['after']:.2f} | {r['first']} "
+        lines.append(f"| {r['kind']} | {r.get('ctx', 'default')} | {r['before']:.2f} | {r['after']:.2f} | {r['first']} "
                      f"| {'yes' if r['same_answer'] else 'NO'} |")
     lines += ["", f"`POST /train/plan` (the same validation, plan and gate as `POST /train`, nothing queued) to two "
               f"servers of the embedded SmolLM2-135M at once, asked in turn, the order alternating; {res['records']} "
@@ -151,7 +153,7 @@ def plot(res: dict, dest: Path) -> None:
     import matplotlib.pyplot as plt
 
     rows = res["requests"]
-    labels = [f"{r['kind']}, ctx {r['ctx']}" for r in rows]
+    labels = [f"{r['kind']}, ctx {r.get('ctx', 'default')}" for r in rows]
     fig, ax = plt.subplots(figsize=(8, 5.5), dpi=120)
     for k, (side, color) in enumerate((("before", "tab:gray"), ("after", "tab:green"))):
         ax.barh([i + 0.4 * k for i in range(len(rows))], [r[side] for r in rows], height=0.38, color=color,
