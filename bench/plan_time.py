@@ -179,27 +179,39 @@ def markdown(res: dict) -> str:
 
 
 def plot(res: dict, dest: Path) -> None:
+    limit = res["limit_s"]
+    cases = res["cases"]
+    chart(dest, [c["case"] for c in cases],
+          {side: [c[side]["seconds"] or limit for c in cases] for side in ("before", "after")},
+          texts={side: [_seconds(c[side], limit) for c in cases] for side in ("before", "after")},
+          target=res["target_s"], target_label=f"target {res['target_s']:.0f} s",
+          xlabel="remat plan wall time, s (a fresh process, imports included)", height=4.2)
+
+
+def chart(dest: Path, labels: list[str], seconds: dict[str, list[float]], *, target: float, target_label: str,
+          xlabel: str, height: float, texts: dict[str, list[str]] | None = None, legend: dict[str, str] | None = None,
+          fontsize: int = 8) -> None:
+    """Before and after, a pair of bars per label, and the target: a bench's results.png (none without
+    matplotlib)."""
     try:
         import matplotlib
     except ImportError:
-        print("plan_time: matplotlib is not installed: no results.png", file=sys.stderr)
+        print(f"{Path(sys.argv[0]).stem}: matplotlib is not installed: no {dest.name}", file=sys.stderr)
         return
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    limit = res["limit_s"]
-    labels = [c["case"] for c in res["cases"]]
-    fig, ax = plt.subplots(figsize=(8, 4.2), dpi=120)
+    fig, ax = plt.subplots(figsize=(8, height), dpi=120)
     for k, (side, color) in enumerate((("before", "tab:gray"), ("after", "tab:green"))):
-        ys = [c[side]["seconds"] or limit for c in res["cases"]]
-        bars = ax.barh([i + 0.4 * k for i in range(len(labels))], ys, height=0.38, color=color, label=side)
-        for bar, c in zip(bars, res["cases"], strict=True):
-            ax.annotate(_seconds(c[side], limit), (bar.get_width(), bar.get_y() + 0.19), xytext=(3, -3),
-                        textcoords="offset points", fontsize=8)
-    ax.axvline(res["target_s"], color="tab:red", linestyle="--", label=f"target {res['target_s']:.0f} s")
-    ax.set_yticks([i + 0.2 for i in range(len(labels))], labels, fontsize=8)
+        bars = ax.barh([i + 0.4 * k for i in range(len(labels))], seconds[side], height=0.38, color=color,
+                       label=(legend or {}).get(side, side))
+        for bar, text in zip(bars, (texts or {}).get(side, []), strict=False):
+            ax.annotate(text, (bar.get_width(), bar.get_y() + 0.19), xytext=(3, -3), textcoords="offset points",
+                        fontsize=8)
+    ax.axvline(target, color="tab:red", linestyle="--", label=target_label)
+    ax.set_yticks([i + 0.2 for i in range(len(labels))], labels, fontsize=fontsize)
     ax.invert_yaxis()
-    ax.set_xlabel("remat plan wall time, s (a fresh process, imports included)")
+    ax.set_xlabel(xlabel)
     ax.legend(fontsize=8, loc="lower right")
     ax.grid(True, axis="x", alpha=0.3)
     fig.tight_layout()

@@ -29,7 +29,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from plan_time import worktree
+from plan_time import chart, worktree
 from serve_slowdown import CONCURRENCY, Client, corpus_records, start_server
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -144,29 +144,12 @@ def markdown(res: dict) -> str:
 
 
 def plot(res: dict, dest: Path) -> None:
-    try:
-        import matplotlib
-    except ImportError:
-        print("train_answer: matplotlib is not installed: no results.png", file=sys.stderr)
-        return
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     rows = res["requests"]
-    labels = [f"{r['kind']}, ctx {r.get('ctx', 'default')}" for r in rows]
-    fig, ax = plt.subplots(figsize=(8, 5.5), dpi=120)
-    for k, (side, color) in enumerate((("before", "tab:gray"), ("after", "tab:green"))):
-        ax.barh([i + 0.4 * k for i in range(len(rows))], [r[side] for r in rows], height=0.38, color=color,
-                label=f"{side} ({res[side]})")
-    ax.axvline(res["target_s"], color="tab:red", linestyle="--", label=f"about {res['target_s']:.0f} s")
-    ax.set_yticks([i + 0.2 for i in range(len(rows))], labels, fontsize=7)
-    ax.invert_yaxis()
-    ax.set_xlabel("POST /train/plan answer time, s (client side)")
-    ax.legend(fontsize=8, loc="lower right")
-    ax.grid(True, axis="x", alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(dest, format="png")
-    plt.close(fig)
+    chart(dest, [f"{r['kind']}, ctx {r.get('ctx', 'default')}" for r in rows],
+          {side: [r[side] for r in rows] for side in ("before", "after")},
+          legend={side: f"{side} ({res[side]})" for side in ("before", "after")},
+          target=res["target_s"], target_label=f"about {res['target_s']:.0f} s",
+          xlabel="POST /train/plan answer time, s (client side)", height=5.5, fontsize=7)
 
 
 if __name__ == "__main__":
