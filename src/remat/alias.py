@@ -7,9 +7,10 @@ node whose output owns the memory that a chain of views and in-place results sha
 
 from __future__ import annotations
 
+import functools
 import operator
 from collections import defaultdict
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import fx
@@ -17,24 +18,48 @@ from torch import fx
 from remat.graph import tensors_in
 
 
-def schema(node: fx.Node) -> torch.FunctionSchema | None:
+def _overload(node: fx.Node) -> torch._ops.OpOverload | None:
     target = node.target
-    return target._schema if node.op == "call_function" and isinstance(target, torch._ops.OpOverload) else None
+    return target if node.op == "call_function" and isinstance(target, torch._ops.OpOverload) else None
 
 
-def _bound_args(node: fx.Node, s: torch.FunctionSchema) -> list[tuple[torch.Argument, Any]]:
-    bound: list[tuple[torch.Argument, Any]] = list(zip(s.arguments, node.args))
-    bound += [(a, node.kwargs[a.name]) for a in s.arguments[len(node.args):] if a.name in node.kwargs]
-    return bound
+def schema(node: fx.Node) -> torch.FunctionSchema | None:
+    op = _overload(node)
+    return None if op is None else op._schema
+
+
+class _Aliasing(NamedTuple):
+    """What an op's schema says of its arguments, read once per op: (position, name) of those it writes, and
+    of those its result views (empty unless a result is a view)."""
+
+    writes: tuple[tuple[int, str], ...]
+    views: tuple[tuple[int, str], ...]
+
+
+@functools.cache
+def _aliasing(op: torch._ops.OpOverload) -> _Aliasing:
+    s = op._schema
+
+    def where(write: bool) -> tuple[tuple[int, str], ...]:
+        return tuple((i, a.name) for i, a in enumerate(s.arguments)
+                     if a.alias_info is not None and a.alias_info.is_write == write)
+
+    a_view = any(r.alias_info and not r.alias_info.is_write for r in s.returns)
+    return _Aliasing(where(True), where(False) if a_view else ())
+
+
+def _bound(node: fx.Node, at: tuple[tuple[int, str], ...]) -> list[Any]:
+    """The node's arguments at those schema places, positional or by keyword, where given."""
+    n = len(node.args)
+    return [node.args[i] if i < n else node.kwargs[name] for i, name in at if i < n or name in node.kwargs]
 
 
 def written(node: fx.Node) -> list[fx.Node]:
     """The inputs that `node` writes in place (empty for functional ops)."""
-    s = schema(node)
-    if s is None:
+    op = _overload(node)
+    if op is None:
         return []
-    return [n for a, v in _bound_args(node, s) if a.alias_info and a.alias_info.is_write
-            for n in tensors_in(v) if isinstance(n, fx.Node)]
+    return [n for v in _bound(node, _aliasing(op).writes) for n in tensors_in(v) if isinstance(n, fx.Node)]
 
 
 def view_source(node: fx.Node) -> fx.Node | None:
@@ -42,13 +67,10 @@ def view_source(node: fx.Node) -> fx.Node | None:
     if node.op == "call_function" and node.target is operator.getitem:
         parent = node.args[0]
         return view_source(parent) if isinstance(parent, fx.Node) else None
-    s = schema(node)
-    if s is None or not any(r.alias_info and not r.alias_info.is_write for r in s.returns):
+    op = _overload(node)
+    if op is None:
         return None
-    for a, v in _bound_args(node, s):
-        if a.alias_info and not a.alias_info.is_write and isinstance(v, fx.Node):
-            return v
-    return None
+    return next((v for v in _bound(node, _aliasing(op).views) if isinstance(v, fx.Node)), None)
 
 
 def is_mutating(node: fx.Node) -> bool:
@@ -61,8 +83,11 @@ def is_random(node: fx.Node) -> bool:
     s = schema(node)
     if s is None or torch.Tag.nondeterministic_seeded not in getattr(node.target, "tags", ()):
         return False
-    p = [a for a in s.arguments if a.name == "dropout_p"]
-    return not p or bool(node.kwargs.get("dropout_p", dict(_bound_args(node, s)).get(p[0], p[0].default_value)) != 0)
+    p = next((i for i, a in enumerate(s.arguments) if a.name == "dropout_p"), None)
+    if p is None:
+        return True
+    given = node.args[p] if p < len(node.args) else node.kwargs.get("dropout_p", s.arguments[p].default_value)
+    return bool(given != 0)
 
 
 def roots(graph: fx.Graph) -> dict[fx.Node, fx.Node]:
