@@ -24,7 +24,7 @@ import torch
 from torch import fx
 from torch.fx._lazy_graph_module import _LazyGraphModule
 
-from remat.capture import _fake_on, copied_value
+from remat.capture import copied_value, laid_out_on
 from remat.graph import TrainGraph
 from remat.hf import traced_pieces
 from remat.stamp import NotStampable, _mapped, _shares_an_input, backward_starts
@@ -199,7 +199,7 @@ class _PieceStamper:
                 shift[c] = self._shift(o, c, shift)
                 if shift[c]:
                     v = c.meta["val"]
-                    c.meta["val"] = _fake_on(v, v.untyped_storage(), v.storage_offset() + shift[c])
+                    c.meta["val"] = laid_out_on(v, v.untyped_storage(), v.storage_offset() + shift[c])
             elif any(a in copies for a in c.all_input_nodes) and _shares_an_input(o):
                 c.meta["val"] = copied_value(o, c)
 
