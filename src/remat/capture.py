@@ -180,8 +180,8 @@ def _moved(value: object, old: StorageWeakRef, storage: torch.UntypedStorage, sh
 
 def laid_out_on(t: torch.Tensor, storage: torch.UntypedStorage, offset: int | torch.SymInt) -> torch.Tensor:
     """A value laid out as `t` (shape, strides, dtype) on `storage` at `offset`: a meta tensor, which holds all
-    a plan reads (not its device). Not a FakeTensor: wrapping one costs five times the layout, and was a third
-    of stamping a step."""
+    a plan reads (not its device). Not a FakeTensor: made as one, a value cost five times as much (55 µs
+    against 11), a third of stamping a step."""
     return torch.empty(0, dtype=t.dtype, device="meta").set_(storage, offset, t.shape, t.stride())
 
 
