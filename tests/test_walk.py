@@ -289,6 +289,18 @@ def walk_plans(num_layers: int, ctx: int) -> dict[str, Plan]:
     return {"off": plan(tg), "on": plan(rewrite(tg))}
 
 
+def test_a_planning_model_walks_again_the_same():
+    """A fake model's parameters are its chunk step's inputs themselves: the gradient hooks a trace puts on them
+    go with it. A second trace on the same model (the server plans every new shape on one) once also ran the
+    first one's hooks, adding each gradient into an old sum (a constant and an add_ more per trainable)."""
+    with EagerStridesFakeMode(allow_non_fake_inputs=True):
+        model = build_from_config(load_config("tiny-llama"))
+    first, second = (walk.capture_chunk(model, 1, 128, 64) for _ in range(2))
+    assert len(second.graph.nodes) == len(first.graph.nodes)
+    assert not [n for n in second.graph.nodes if n.op == "get_attr"]
+    assert plan(second).as_dict() == plan(first).as_dict()
+
+
 def test_walk_graph_plan_does_not_grow_with_ctx():
     """The issue's check on the default model's config: at fixed ubatch, with recompute the walk's
     graph peak is the same at ctx 256 and 1024; only the cache grows (x4). The peak there is the

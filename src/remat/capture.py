@@ -25,10 +25,10 @@ from torch._subclasses.fake_tensor import (
     FakeTensorMode,
 )
 from torch.fx._lazy_graph_module import _use_lazy_graph_module
-from torch.fx.experimental.proxy_tensor import get_proxy_mode, make_fx
+from torch.fx.experimental.proxy_tensor import make_fx
 from torch.multiprocessing.reductions import StorageWeakRef
 
-from remat import delta_rule
+from remat import delta_rule, record
 from remat.graph import StepInputs, TrainGraph, tensors_in
 from remat.hf import UnsupportedModel, causal_lm, causal_lm_loss, prepare
 
@@ -80,6 +80,9 @@ def trace(model: nn.Module, loss_fn, inputs: dict[str, tuple[str, torch.Tensor]]
     one more placeholder per trainable (role "grad", after the inputs) is the gradient sum of the
     steps before (the walk's chunks): the step adds each gradient into it as the backward makes it
     and returns these sums as its grads, so no second set of grads is ever alive.
+
+    A model with fake weights (planned only, never run) is recorded by `remat.record`, any other traced by
+    make_fx: the same graph (`tests/test_record.py`).
     """
     prepare(model)
     tensors = StepInputs.of(model)
@@ -94,17 +97,20 @@ def trace(model: nn.Module, loss_fn, inputs: dict[str, tuple[str, torch.Tensor]]
 
     def step(*args: torch.Tensor):
         sums = args[n_model + n_in:]
-        for p, g in zip(args[:n_train], sums):  # each parameter's gradient goes into its sum as soon as it is made
-            p.register_hook(into(g))
-        state = {f"model.{k}": v for k, v in zip(model_names, args[:n_model])}
-        out = torch.func.functional_call(_LossModule(model, loss_fn), state, args[n_model:n_model + n_in])
-        seeded = out if isinstance(out, Seeded) else Seeded(out)
-        mode = get_proxy_mode()
-        assert mode is not None, "step() runs under make_fx"
-        boundary.append(list(mode.tracer.graph.nodes)[-1])
-        grads = torch.autograd.grad([seeded.loss, *seeded.outputs], [*args[:n_train], *seeded.sinks],
-                                    grad_outputs=[None, *seeded.cotangents], allow_unused=True,
-                                    materialize_grads=True)
+        # each parameter's gradient goes into its sum as soon as it is made; the hooks go with the step (a
+        # fake model's parameters are the step's inputs themselves, and the next trace must not find them)
+        hooks = [p.register_hook(into(g)) for p, g in zip(args[:n_train], sums)]
+        try:
+            state = {f"model.{k}": v for k, v in zip(model_names, args[:n_model])}
+            out = torch.func.functional_call(_LossModule(model, loss_fn), state, args[n_model:n_model + n_in])
+            seeded = out if isinstance(out, Seeded) else Seeded(out)
+            boundary.append(record.last_node())  # the forward's last node
+            grads = torch.autograd.grad([seeded.loss, *seeded.outputs], [*args[:n_train], *seeded.sinks],
+                                        grad_outputs=[None, *seeded.cotangents], allow_unused=True,
+                                        materialize_grads=True)
+        finally:
+            for hook in hooks:
+                hook.remove()
         return (seeded.loss, *(sums or grads[:n_train]))
 
     example = tensors.args(*(t for _, t in inputs.values()))
@@ -112,19 +118,31 @@ def trace(model: nn.Module, loss_fn, inputs: dict[str, tuple[str, torch.Tensor]]
         raise ValueError("each input must be its own tensor (make_fx merges repeated inputs)")
     # a model built under a fake mode (planning without weights) brings its own
     mode = next((t.fake_mode for t in example if isinstance(t, FakeTensor)), None)
+    planned_only = mode is not None
     mode = mode or EagerStridesFakeMode(allow_non_fake_inputs=True)
     example = [t if isinstance(t, FakeTensor) else mode.from_tensor(t) for t in example]
     with mode:
         example += [torch.zeros_like(t) for t in example[:len(sum_names)]]
-    # a lazy module makes its Python code on its first call: a trace that is only planned never pays for it.
-    # The torch-function metadata mode only names each node's torch call in its meta (read by nothing here),
-    # and intercepting every call cost 7 % of a trace.
     with torch.enable_grad(), mode, delta_rule.swapped(model), _use_lazy_graph_module(True):
-        gm = make_fx(step, _disable_torch_fn_metadata_mode=True)(*example)
+        gm = _recorded(step, example) if planned_only else None
+        if gm is None:
+            del boundary[:]
+            # a lazy module makes its code on its first call: a trace that is only planned never pays for it.
+            # The torch-function metadata mode only names each node's torch call in its meta (read by nothing
+            # here), and intercepting every call cost 7 % of a trace.
+            gm = make_fx(step, _disable_torch_fn_metadata_mode=True)(*example)
     _traces["count"] += 1
     sum_in_place(gm, boundary[0])
     return TrainGraph(gm=gm, roles=roles, names=[*model_names, *inputs, *sum_names], boundary=boundary[0],
                       info=info or {})
+
+
+def _recorded(step: Callable, example: list[torch.Tensor]) -> fx.GraphModule | None:
+    """The step recorded (`remat.record`), or None where the recorder cannot follow it."""
+    try:
+        return record.record(step, example)
+    except record.Unrecordable:
+        return None
 
 
 def sum_in_place(gm: fx.GraphModule, boundary: fx.Node) -> int:

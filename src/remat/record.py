@@ -1,0 +1,199 @@
+"""A lean recorder of a plan-only step: the graph make_fx records, in two thirds of its time.
+
+A step that is only planned (its model has fake weights, so it never runs) is traced for the values'
+layouts and the ops between them. make_fx wraps every value in a proxy, snapshots and describes it twice
+(`val`, `tensor_meta`), and maps every argument tree through pytree: most of a trace's time beside the fake
+kernels themselves. `record` is a TorchDispatchMode that keeps the same graph directly: one node per op in
+the order it ran, `getitem`s for each element of a tuple result, `_tensor_constant`s for tensors the
+step did not make, lift_fresh recorded as lift_fresh_copy, CompositeImplicit ops decomposed where
+autograd would have, constants folded where make_fx folds them; each node's `meta["val"]` a detached copy
+of its value, as make_fx's `val` (not its `tensor_meta`, which nothing here reads).
+
+`tests/test_record.py` holds it to make_fx node for node (op, target, arguments, layouts, storages) on
+every family of the conformance matrix; a step the recorder cannot follow raises `Unrecordable` and is
+traced by make_fx.
+"""
+
+from __future__ import annotations
+
+import functools
+import operator
+from collections.abc import Callable, Sequence
+
+import torch
+from torch import fx, nn
+from torch._subclasses.fake_tensor import unset_fake_temporarily
+from torch.fx._lazy_graph_module import _make_graph_module
+from torch.fx.experimental.proxy_tensor import (
+    CONSTANT_NUMEL_LIMIT,
+    disable_autocast_cache,
+    extract_val,
+    get_proxy_mode,
+)
+from torch.fx.node import Argument
+from torch.utils._python_dispatch import (
+    TorchDispatchMode,
+    _get_current_dispatch_mode_stack,
+    autograd_would_have_decomposed,
+)
+from torch.utils.weak import WeakIdKeyDictionary
+
+aten = torch.ops.aten
+_METADATA = (aten.size.default, aten.stride.default, aten.storage_offset.default)
+
+
+class Unrecordable(Exception):
+    """The step does something the recorder does not follow (a higher-order op, symbolic sizes)."""
+
+
+def record(fn: Callable[..., tuple], args: Sequence[torch.Tensor]) -> fx.GraphModule:
+    """Run `fn(*args)` on fake tensors and keep what it computes as an fx graph (make_fx's; `Unrecordable`
+    where it cannot be)."""
+    recorder = _Recorder()
+    for i, a in enumerate(args):
+        node = recorder.graph.placeholder(f"arg{i}_1")  # make_fx's names
+        node.meta["val"] = extract_val(a)
+        recorder.track(a, node, None)
+    with recorder, disable_autocast_cache():
+        out = fn(*args)
+    recorder.graph.output(recorder.arg(out))
+    return _make_graph_module(recorder.root, recorder.graph, fn.__name__)
+
+
+def last_node() -> fx.Node:
+    """The node recorded last by the tracer running (the recorder, or make_fx)."""
+    recorder = next((m for m in _get_current_dispatch_mode_stack() if isinstance(m, _Recorder)), None)
+    if recorder is not None:
+        return recorder.last()
+    mode = get_proxy_mode()
+    assert mode is not None, "called while a step is traced"
+    return next(reversed(mode.tracer.graph.nodes))
+
+
+class _Recorder(TorchDispatchMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.root, self.graph = nn.Module(), fx.Graph()
+        # Weakly: a factory's result held elsewhere is detached by autograd (a node make_fx never sees).
+        self.node_of: WeakIdKeyDictionary = WeakIdKeyDictionary()  # tensor -> the node that made it
+        self.constant_of: WeakIdKeyDictionary = WeakIdKeyDictionary()  # tensor -> its real value, where known
+        self.attrs: dict[torch.Tensor, str] = {}  # untracked tensor -> its `_tensor_constant` name
+
+    def last(self) -> fx.Node:
+        return next(reversed(self.graph.nodes))
+
+    def track(self, t: torch.Tensor, node: fx.Node, constant: torch.Tensor | None) -> None:
+        self.node_of[t] = node
+        if constant is None:
+            self.constant_of.pop(t, None)
+        else:
+            self.constant_of[t] = constant
+
+    def arg(self, a: object) -> Argument:
+        if isinstance(a, torch.Tensor):
+            node = self.node_of.get(a)
+            return node if node is not None else self._constant(a)
+        if isinstance(a, (tuple, list)):
+            if isinstance(a, tuple) and hasattr(a, "_fields"):
+                raise Unrecordable(f"a named tuple argument ({type(a).__name__})")
+            return type(a)(self.arg(x) for x in a) if type(a) in (tuple, list) else tuple(self.arg(x) for x in a)
+        if isinstance(a, dict):
+            return {k: self.arg(v) for k, v in a.items()}
+        if isinstance(a, (torch.SymInt, torch.SymFloat, torch.SymBool)):
+            raise Unrecordable("symbolic sizes")
+        return a  # type: ignore[return-value]  # a constant: a number, a dtype, a device...
+
+    def _constant(self, t: torch.Tensor) -> fx.Node:
+        """A tensor the step did not make: an attribute of the graph module, as make_fx keeps it."""
+        if isinstance(t, nn.Parameter):
+            name = _fresh(self.root, "_param_constant")
+        else:
+            name = self.attrs.get(t) or _fresh(self.root, "_tensor_constant")
+            self.attrs[t] = name
+        setattr(self.root, name, t)
+        node = self.graph.create_node("get_attr", name)
+        node.meta["val"] = extract_val(t)  # a real tensor's: a fake one laid out alike, as make_fx's
+        return node
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is torch.ops.prim.device.default:
+            return func(*args, **kwargs)
+        if func is aten.sym_numel.default:  # make_fx decomposes it (a table of one)
+            raise Unrecordable("sym_numel")
+        tensors = _tensors((args, kwargs))
+        if _decomposable(func) and autograd_would_have_decomposed(func, tensors):
+            with self:
+                r = func.decompose(*args, **kwargs)
+            if r is not NotImplemented:
+                return r
+        if func is aten.is_nonzero.default:
+            with self:
+                return (args[0] != 0).item()
+        tracked = [t for t in tensors if t in self.node_of]
+        all_constant = all(t in self.constant_of for t in tracked)
+        if torch.Tag.data_dependent_output in func.tags and all_constant:
+            with unset_fake_temporarily():
+                return func(*self._constants(args), **self._constants(kwargs))
+        if func is aten.lift_fresh.default:
+            func = aten.lift_fresh_copy.default
+        node = self.graph.create_node("call_function", func, self.arg(args), self.arg(kwargs),
+                                      name=self.graph._target_to_str(func.overloadpacket.__name__))
+        out = func(*args, **kwargs)
+        constant = None
+        if func is aten.lift_fresh_copy.default and out.numel() <= CONSTANT_NUMEL_LIMIT:
+            with unset_fake_temporarily():
+                constant = args[0].clone()
+        elif (torch.Tag.nondeterministic_seeded not in func.tags and all_constant
+              and any(t in self.constant_of for t in tracked)
+              and all(t.numel() <= CONSTANT_NUMEL_LIMIT for t in _tensors(out))):
+            with unset_fake_temporarily():
+                constant = func(*self._constants(args), **self._constants(kwargs))
+        self._track_out(out, node, constant)
+        return out
+
+    def _constants(self, a: object) -> object:
+        if isinstance(a, torch.Tensor):
+            return self.constant_of.get(a, a)
+        if isinstance(a, (tuple, list)):
+            return type(a)(self._constants(x) for x in a)
+        if isinstance(a, dict):
+            return {k: self._constants(v) for k, v in a.items()}
+        return a
+
+    def _track_out(self, out: object, node: fx.Node, constant: object) -> None:
+        if isinstance(out, torch.Tensor):
+            self.track(out, node, constant)  # type: ignore[arg-type]
+            node.meta["val"] = extract_val(out)  # a detached copy: the value as it is now, as make_fx keeps it
+        elif isinstance(out, (tuple, list)):
+            node.meta["val"] = extract_val(out)
+            for i, e in enumerate(out):
+                item = self.graph.create_node("call_function", operator.getitem, (node, i))
+                self._track_out(e, item, constant[i] if constant is not None else None)  # type: ignore[index]
+        elif isinstance(out, (torch.SymInt, torch.SymFloat, torch.SymBool)):
+            raise Unrecordable("symbolic sizes")
+        elif out is not None and not isinstance(out, (int, float, bool)):
+            raise Unrecordable(f"a {type(out).__name__} result of {node.target}")
+
+
+@functools.cache
+def _decomposable(func) -> bool:
+    """Has a CompositeImplicitAutograd kernel (which make_fx runs where autograd would have)."""
+    return func not in _METADATA and torch._C._dispatch_has_kernel_for_dispatch_key(
+        func.name(), torch._C.DispatchKey.CompositeImplicitAutograd)
+
+
+def _tensors(tree: object) -> list[torch.Tensor]:
+    """The tensors in an op's arguments or results (tuples, lists and dicts of them), in order."""
+    if isinstance(tree, torch.Tensor):
+        return [tree]
+    if isinstance(tree, dict):
+        tree = list(tree.values())
+    return [t for e in tree for t in _tensors(e)] if isinstance(tree, (tuple, list)) else []
+
+
+def _fresh(root: nn.Module, prefix: str) -> str:
+    i = 0
+    while hasattr(root, f"{prefix}{i}"):
+        i += 1
+    return f"{prefix}{i}"
