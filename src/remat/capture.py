@@ -123,11 +123,11 @@ def trace(model: nn.Module, loss_fn, inputs: dict[str, tuple[str, torch.Tensor]]
     example = [t if isinstance(t, FakeTensor) else mode.from_tensor(t) for t in example]
     with mode:
         example += [torch.zeros_like(t) for t in example[:len(sum_names)]]
+    # a lazy module makes its Python code on its first call: a trace that is only planned never pays for it
     with torch.enable_grad(), mode, delta_rule.swapped(model), _use_lazy_graph_module(True):
         gm = _recorded(step, example) if planned_only else None
         if gm is None:
             del boundary[:]
-            # a lazy module makes its code on its first call: a trace that is only planned never pays for it.
             # The torch-function metadata mode only names each node's torch call in its meta (read by nothing
             # here), and intercepting every call cost 7 % of a trace.
             gm = make_fx(step, _disable_torch_fn_metadata_mode=True)(*example)

@@ -2,8 +2,8 @@
 
 A step that is only planned (its model has fake weights, so it never runs) is traced for the values'
 layouts and the ops between them. make_fx wraps every value in a proxy, snapshots and describes it twice
-(`val`, `tensor_meta`), and maps every argument tree through pytree: most of a trace's time beside the fake
-kernels themselves. `record` is a TorchDispatchMode that keeps the same graph directly: one node per op in
+(`val`, `tensor_meta`), and maps every argument tree through pytree: about a third of a trace beside the
+fake kernels themselves. `record` is a TorchDispatchMode that keeps the same graph directly: one node per op in
 the order it ran, `getitem`s for each element of a tuple result, `_tensor_constant`s for tensors the
 step did not make, lift_fresh recorded as lift_fresh_copy, CompositeImplicit ops decomposed where
 autograd would have, constants folded where make_fx folds them; each node's `meta["val"]` a detached copy
@@ -43,7 +43,8 @@ _METADATA = (aten.size.default, aten.stride.default, aten.storage_offset.default
 
 
 class Unrecordable(Exception):
-    """The step does something the recorder does not follow (a higher-order op, symbolic sizes)."""
+    """The step does something the recorder does not follow (symbolic sizes, a named-tuple argument, a result
+    that is not tensors or numbers)."""
 
 
 def record(fn: Callable[..., tuple], args: Sequence[torch.Tensor]) -> fx.GraphModule:
