@@ -6,6 +6,8 @@ order, one role each (see docs/architecture.md, "The TrainGraph contract").
 
 from __future__ import annotations
 
+import copy
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -26,6 +28,26 @@ def tensors_in(value: object) -> list:
         return [t for v in value for t in tensors_in(v)]
     return []
 
+
+
+def new_node(graph: fx.Graph, op: str, target: Any, args: tuple = (), kwargs: dict | None = None,
+             name: str | None = None, type_expr: Any = None) -> fx.Node:
+    """`graph.create_node(...)` without its walk over every argument for a raw SymInt, which only warns and
+    which remat's graphs never hold (their sizes are concrete): a fifth of stamping a step, as measured."""
+    node = graph.create_node(op, target, name=name, type_expr=type_expr)
+    if args:
+        node.args = args
+    if kwargs:
+        node.kwargs = kwargs
+    return node
+
+
+def copy_node(graph: fx.Graph, node: fx.Node, read: Callable[[fx.Node], Any]) -> fx.Node:
+    """`graph.node_copy(node, read)`, by `new_node`."""
+    copied = new_node(graph, node.op, node.target, fx.map_arg(node.args, read), fx.map_arg(node.kwargs, read),
+                      node.name, node.type)
+    copied.meta = copy.copy(node.meta)
+    return copied
 
 @dataclass
 class TrainGraph:

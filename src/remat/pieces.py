@@ -25,7 +25,7 @@ from torch import fx
 from torch.fx._lazy_graph_module import _LazyGraphModule
 
 from remat.capture import copied_value, laid_out_on
-from remat.graph import TrainGraph
+from remat.graph import TrainGraph, copy_node
 from remat.hf import traced_pieces
 from remat.stamp import NotStampable, _mapped, _shares_an_input, backward_starts
 
@@ -156,13 +156,13 @@ class _PieceStamper:
                             env[x, k] = self._copy(new, x, k, env)
                             copies[env[x, k]] = (x, k)
             else:
-                env[node, -1] = new.node_copy(node, functools.partial(self._read, at=-1, reader=node, env=env))
+                env[node, -1] = copy_node(new, node, functools.partial(self._read, at=-1, reader=node, env=env))
         self._values(new, env, copies)
         return TrainGraph(gm=_LazyGraphModule(small.gm, new), roles=small.roles, names=small.names,
                           boundary=env[small.boundary, -1], info=small.info)
 
     def _copy(self, new: fx.Graph, x: fx.Node, k: int, env: dict) -> fx.Node:
-        c = new.node_copy(x, functools.partial(self._read, at=k, reader=x, env=env))
+        c = copy_node(new, x, functools.partial(self._read, at=k, reader=x, env=env))
         if bounds := _bounds(x):
             args: list[Any] = list(c.args)
             c.args = tuple(a + self.step * (k - MIDDLE) if i in bounds else a for i, a in enumerate(args))

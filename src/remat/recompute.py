@@ -33,7 +33,7 @@ from torch.fx._lazy_graph_module import _LazyGraphModule
 
 from remat import alias
 from remat.capture import copied_value
-from remat.graph import TrainGraph, interpret, tensors_in
+from remat.graph import TrainGraph, copy_node, interpret, tensors_in
 from remat.marks import mark_name
 from remat.plan import Lives, Plan, lives, plan, sized_storages, workspace
 from remat.policies import Policy, layer_index, layer_marks
@@ -191,10 +191,10 @@ class _Graph:
         self.graph = fx.Graph()
 
     def copy(self, n: fx.Node, arg: Callable[[fx.Node], fx.Node]) -> fx.Node:
-        return self.graph.node_copy(n, arg)
+        return copy_node(self.graph, n, arg)
 
     def clone(self, n: fx.Node, arg: Callable[[fx.Node], fx.Node]) -> fx.Node:
-        c = self.graph.node_copy(n, arg)
+        c = copy_node(self.graph, n, arg)
         c.meta[CLONE_OF] = n.name
         return c
 

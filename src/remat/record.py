@@ -38,6 +38,8 @@ from torch.utils._python_dispatch import (
 )
 from torch.utils.weak import WeakIdKeyDictionary
 
+from remat.graph import new_node
+
 aten = torch.ops.aten
 _METADATA = (aten.size.default, aten.stride.default, aten.storage_offset.default)
 
@@ -138,8 +140,8 @@ class _Recorder(TorchDispatchMode):
                 return func(*self._constants(args), **self._constants(kwargs))
         if func is aten.lift_fresh.default:
             func = aten.lift_fresh_copy.default
-        node = self.graph.create_node("call_function", func, self.arg(args), self.arg(kwargs),
-                                      name=self.graph._target_to_str(func.overloadpacket.__name__))
+        node = new_node(self.graph, "call_function", func, self.arg(args), self.arg(kwargs),
+                        name=self.graph._target_to_str(func.overloadpacket.__name__))
         out = func(*args, **kwargs)
         constant = None
         if func is aten.lift_fresh_copy.default and out.numel() <= CONSTANT_NUMEL_LIMIT:
@@ -169,7 +171,7 @@ class _Recorder(TorchDispatchMode):
         elif isinstance(out, (tuple, list)):
             node.meta["val"] = extract_val(out)
             for i, e in enumerate(out):
-                item = self.graph.create_node("call_function", operator.getitem, (node, i))
+                item = new_node(self.graph, "call_function", operator.getitem, (node, i))
                 self._track_out(e, item, constant[i] if constant is not None else None)  # type: ignore[index]
         elif isinstance(out, (torch.SymInt, torch.SymFloat, torch.SymBool)):
             raise Unrecordable("symbolic sizes")

@@ -29,7 +29,7 @@ from torch._subclasses.fake_tensor import FakeTensor
 from torch.fx._lazy_graph_module import _LazyGraphModule
 
 from remat.capture import copied_value
-from remat.graph import StepInputs, TrainGraph
+from remat.graph import StepInputs, TrainGraph, copy_node
 from remat.hf import decoder_layers, prepare
 from remat.marks import LAYER_MARK, MARK_OP
 from remat.plan import _storages
@@ -320,7 +320,7 @@ class _Stamper:
         places = self._placeholders(new)
         order = self._order()
         for node, layer in order:
-            copied = env[node, layer] = new.node_copy(node, functools.partial(self._read, at=layer, reader=node,
+            copied = env[node, layer] = copy_node(new, node, functools.partial(self._read, at=layer, reader=node,
                                                                                 env=env, places=places))
             j = layer_index(node) if node.target is MARK_OP else None
             if j is not None:
