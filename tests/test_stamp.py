@@ -1,4 +1,4 @@
-"""The stamped step (`remat.stamp`: a prefix, three units of alike layers and a suffix traced, the middle unit
+"""The stamped step (`remat.stamp`: a prefix, two units of alike layers and a suffix traced, the second unit
 copied; `remat.pieces`: six of the loss's pieces traced, the middle one copied) is the whole trace, node for
 node, on every family of the conformance matrix whose layers repeat (one layer, or a group for hybrids); the
 others are traced whole."""
@@ -18,19 +18,19 @@ from remat.plan import plan
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
-LAYERS = 7  # the fewest a stamp copies a layer for (five traced, two copies)
+LAYERS = 6  # the fewest a stamp copies a layer for (four traced, two copies)
 LOSS_CHUNK = 2  # eight pieces of the 16 tokens: the fewest `pieces` stamps (six traced, pieces 2-4 copied)
 # Hybrids (a repeating group of layers: sliding and full attention, MoE and dense MLP, attention and recurrent
-# mixers) at the fewest layers at which two of their groups are copied: 1 + 5 groups + the rest.
+# mixers) at the fewest layers at which two of their groups are copied: 1 + 4 groups + the rest.
 DEPTHS: dict[str, int] = {
     **dict.fromkeys(["afmoe", "axk1", "axk2", "bailing_hybrid", "cohere2", "cohere2_moe", "cwm", "deepseek_v32",
                      "exaone4", "exaone_moe", "gemma2", "gemma3_text", "glm4_moe_lite", "gpt_neo", "gpt_oss",
                      "granite_swa", "granitemoe_swa", "hy_v3", "jamba", "kimi_linear", "kolibri1", "laguna",
                      "mimo_v2_flash", "minicpm5_moe", "minimax", "olmo3", "olmo_hybrid", "qwen3_5_moe_text",
-                     "qwen3_5_text", "qwen3_next", "vaultgemma"], 12),
-    **dict.fromkeys(["bamba", "ernie4_5_moe", "llama4_text"], 8),  # dense first layers, then alike ones
-    "flint": 13,
-    **dict.fromkeys(["lara_mini", "lfm3", "recurrent_gemma"], 17),
+                     "qwen3_5_text", "qwen3_next", "vaultgemma"], 10),
+    **dict.fromkeys(["bamba", "ernie4_5_moe", "llama4_text"], 7),  # dense first layers, then alike ones
+    "flint": 11,
+    **dict.fromkeys(["lara_mini", "lfm3", "recurrent_gemma"], 14),
 }
 
 # Families traced whole, with why (what `stamp` says at their depth): the test asserts they still are, so a

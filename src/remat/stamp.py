@@ -3,11 +3,13 @@
 Decoder layers of one type are one function on different weights, so tracing all N of them repeats the
 same work N times (most of `remat plan`'s time). The layers split into a prefix, units of p alike layers
 (p = 1 for most models; a repeating group for hybrids: qwen3.5's 3 linear-attention layers and 1 full)
-and a suffix (`Units`). The model is traced with its prefix, three units and its suffix; units 1, 2 and 3
-of that trace are checked to be the same graph (op for op, each argument playing the same part: its own
-unit's node, the unit below's output, its own parameter, a shared node), forward and backward. Unit 2's
-forward and backward are then copied for every unit between the first and the last, on their own
-parameters, between the traced prefix and first unit and the traced last unit and suffix (renumbered).
+and a suffix (`Units`). The model is traced with its prefix, two units and its suffix; units 1 and 2 of
+that trace are checked to be the same graph (op for op, each argument playing the same part: its own
+unit's node, the unit below's, its own parameter, a shared node), forward and backward. Unit 2's forward
+and backward are then copied for every unit after the first, on their own parameters, between the traced
+prefix and first unit and the traced suffix (renumbered): the suffix reads the top copy as it read unit 2,
+and each copy reads the copy below (and, backward, the one above) as unit 2 read unit 1 (and unit 1 read
+unit 2), which the check makes the same reads.
 The result is the graph the whole trace makes, node for node (`tests/test_stamp.py` holds that on every
 family of the conformance matrix); a model whose layers do not repeat, or whose trace does not split
 into layers this way, is traced whole (`stamp` raises NotStampable).
@@ -35,7 +37,7 @@ from remat.marks import LAYER_MARK, MARK_OP
 from remat.plan import _storages
 from remat.policies import layer_index
 
-SEGMENTS = 5  # the small trace's: the prefix, the unit below the copies, the copied unit, the one above, the suffix
+SEGMENTS = 4  # the small trace's: the prefix, the unit below the copies, the copied unit, the suffix
 COPIES = 2  # the fewest units a stamp copies (with fewer, the small trace is most of the whole)
 
 
@@ -65,10 +67,10 @@ def stamp(model: nn.Module, trace_small: Callable[[], TrainGraph]) -> TrainGraph
 class Units:
     """How the n decoder layers split: a prefix of `a` layers, `count` units of `p` layers (alike unit for unit:
     one layer for most models, a repeating group for hybrids such as qwen3.5's 3 linear : 1 full), a suffix of
-    `s` layers. The small trace has the prefix, three units (below the copies, the copied one, above) and the
-    suffix; the first layers of a model repeat with the same period, so the small model's suffix is the
-    whole one's. The stamped graph numbers its layers virtually: 0 the prefix, 1..count the units, then the
-    suffix (`layers`)."""
+    `s` layers. The small trace has the prefix, two units (below the copies, the copied one) and the suffix;
+    the first layers of a model repeat with the same period, so the small model's suffix is the whole one's.
+    The stamped graph numbers its layers virtually: 0 the prefix, 1..count the units, then the suffix
+    (`layers`)."""
 
     n: int
     a: int
@@ -85,15 +87,15 @@ class Units:
 
     @property
     def traced(self) -> int:
-        return self.a + 3 * self.p + self.s
+        return self.a + 2 * self.p + self.s
 
     def small(self, j: int) -> tuple[int, int]:
-        """A traced layer's segment (0 the prefix, 1-3 the units, 4 the suffix) and its place in it."""
+        """A traced layer's segment (0 the prefix, 1-2 the units, 3 the suffix) and its place in it."""
         if j < self.a:
             return 0, j
-        if j < self.a + 3 * self.p:
+        if j < self.a + 2 * self.p:
             return 1 + (j - self.a) // self.p, (j - self.a) % self.p
-        return SEGMENTS - 1, j - self.a - 3 * self.p
+        return SEGMENTS - 1, j - self.a - 2 * self.p
 
     def traced_layer(self, segment: int, r: int) -> int:
         return r if segment == 0 else self.a + (segment - 1) * self.p + r
@@ -116,7 +118,7 @@ class Units:
 
     def ends(self) -> list[int]:
         """The last traced layer of each segment."""
-        return [self.a - 1, *(self.a + k * self.p - 1 for k in (1, 2, 3)), self.traced - 1]
+        return [self.a - 1, *(self.a + k * self.p - 1 for k in (1, 2)), self.traced - 1]
 
 
 def _units(signatures: list[tuple]) -> Units:
@@ -124,15 +126,15 @@ def _units(signatures: list[tuple]) -> Units:
     first reads the embedding) after which every layer is the one p below it; NotStampable when none copies
     COPIES units."""
     n, best = len(signatures), None
-    for p in range(1, n // (3 + COPIES) + 1):
+    for p in range(1, n // (2 + COPIES) + 1):
         a = next((a for a in range(1, n) if all(signatures[j] == signatures[j - p] for j in range(a + p, n))), n)
         s = (n - a - 1) % p + 1  # at least one: the last layer feeds the head
         units = Units(n, a, p, s)
-        if units.count >= 3 + COPIES and (best is None or units.traced < best.traced):
+        if units.count >= 2 + COPIES and (best is None or units.traced < best.traced):
             best = units
     if best is not None:
         return best
-    if n < 3 + COPIES + 2:
+    if n < 2 + COPIES + 2:
         raise NotStampable(f"{n} layers: too few to copy one")
     i = next(i for i in range(2, n) if signatures[i] != signatures[1])
     raise NotStampable(f"its layers do not repeat: {_difference(signatures[1], signatures[i])} (layers 1, {i})")
@@ -271,8 +273,8 @@ class _Stamper:
         self.seg = _segments(small, self.numbering, units)
         self.index = {node: i for seg in [*self.seg.forward, *self.seg.backward.values()]
                       for i, node in enumerate(seg)}
-        for a, b in ((("F", 1), ("F", 2)), (("F", 2), ("F", 3)), (("B", 1), ("B", 2)), (("B", 2), ("B", 3))):
-            self._check_alike(a, b)
+        self._check_alike(("F", 1), ("F", 2))
+        self._check_alike(("B", 1), ("B", 2))
 
     # Each argument of a layer's node, by the part it plays; two layers are alike when every node's are equal.
     def _role(self, arg: object, layer: int) -> object:
@@ -334,8 +336,8 @@ class _Stamper:
                           boundary=env[small.boundary, last], info=small.info)
 
     def _layer_map(self, i: int, copy: int | None) -> int:
-        """The virtual layer a segment stands for: 0, 1 as they are; 2 as the copy; 3, 4 as the last two."""
-        return {0: 0, 1: 1, 2: copy if copy is not None else 2, 3: self.n - 2, 4: self.n - 1}[i]
+        """The virtual layer a segment stands for: 0, 1 as they are; 2 as the copy; 3 as the last."""
+        return {0: 0, 1: 1, 2: copy if copy is not None else 2, 3: self.n - 1}[i]
 
     def _order(self) -> list[tuple[fx.Node, int]]:
         """Every small-trace node (placeholders aside) with the layer it stands for, in the stamped order."""
@@ -347,13 +349,11 @@ class _Stamper:
                 continue
             if node in f2:
                 if node is s.forward[2][0]:
-                    order += [(x, k) for k in range(2, n - 2) for x in s.forward[2]]
-                continue
-            if node is s.backward[3][-1]:
-                order.append((node, n - 2))
-                order += [(x, k) for k in range(n - 3, 1, -1) for x in s.backward[2]]
+                    order += [(x, k) for k in range(2, n - 1) for x in s.forward[2]]
                 continue
             order.append(self._key(node, -1))
+            if node is s.backward[3][-1]:  # the copies' backward, the top one first
+                order += [(x, k) for k in range(n - 2, 1, -1) for x in s.backward[2]]
         return order
 
     def _read(self, arg: fx.Node, *, at: int, reader: fx.Node, env: dict, places: dict[str, fx.Node]) -> fx.Node:
@@ -383,18 +383,21 @@ class _Stamper:
         if reader_where is not None and reader_where[1] == 2:
             return env[arg, at]  # within one copy
         if reader_where in (("F", 3), ("B", 3)):
-            return env[arg, self.n - 3]  # layer N-2 reads the top copy
+            return env[arg, self.n - 2]  # the suffix reads the top copy
         if reader_where == ("B", 1) and where[0] == "B":
             return env[arg, 2]  # layer 1's backward reads the bottom copy's
         raise NotStampable(f"{reader.name} reads the copied layer's {arg.name}")
 
     def _neighbour(self, arg: fx.Node, where: tuple[str, int], at: int) -> tuple[fx.Node, int]:
-        """What copy `at` reads for `arg` of traced layer 1 or 3: that node itself when the layer next to the
-        copy is the traced one, else the same node (counted from its segment's end) of the next copy."""
+        """What copy `at` reads for `arg` of traced unit 1 or the suffix: that node itself when the layer next to
+        the copy is the traced one, else the same node (counted from its segment's end) of the next copy. The
+        suffix's forward ends in the head, not as a unit does: a copy below the top may not read it."""
         kind, i = where
         to = at + i - 2
         if to == self._layer_map(i, None):
             return arg, to
+        if (kind, i) == ("F", SEGMENTS - 1):
+            raise NotStampable(f"the copied layer reads the last layer's {arg.name}")
         seg = self._segment(kind, i)
         return self._segment(kind, 2)[self.index[arg] - len(seg)], to
 
@@ -444,7 +447,7 @@ class _Stamper:
                 g, key = by_name[name], self._key(by_name[name], -1)
             else:
                 virtual, r = self.units.virtual(i)
-                segment = virtual if virtual <= 1 else SEGMENTS - (self.n - virtual) if virtual >= self.n - 2 else 2
+                segment = virtual if virtual <= 1 else SEGMENTS - 1 if virtual == self.n - 1 else 2
                 g = by_name[self.numbering.renumber(name, self.units.traced_layer(segment, r))]
                 key = self._key(g, virtual)
                 if (self.seg.layer_of.get(g, ("", -1))[1] == 2) != (segment == 2):
