@@ -198,7 +198,7 @@ class Segments:
     """The small trace split by segment (`Units.small`): forward F[i] runs from after the mark that ends segment
     i-1 through the one that ends segment i (F[0] from the first node). A backward node belongs to the earliest
     segment it reads (the mark that ends one counts as the next one's input), and backward B[i] runs from the
-    first node of segment i to the first of segment i-1, i = 1..4."""
+    first node of segment i to the first of segment i-1, i = 1..3."""
 
     forward: list[list[fx.Node]]
     backward: dict[int, list[fx.Node]]
