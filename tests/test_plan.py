@@ -69,6 +69,7 @@ def test_graph_peak_by_hand(fn, peak):
     assert any(n.target is torch.ops.aten.slice.Tensor for n in nodes)
     tg = TrainGraph(gm, ["input"], ["x"], boundary=nodes[-2])
     assert graph_peak(tg) == peak
+    assert plan(tg).graph == peak  # the plan's one-pass peaks (`_peaks`), not `graph_peak`'s sweep
     outputs, measured = measure(tg, [torch.randn(1024)])
     assert measured.graph == peak
     assert len(outputs) == 1

@@ -199,6 +199,27 @@ def _sweep(count: int, life: Lives, skip: Set) -> tuple[int, int | None, list[tu
     return peak, peak_at, sorted(((life[s][0], life[s][1]) for s in peak_set), key=lambda x: -x[1])
 
 
+def _peaks(count: int, life: Lives, outputs: Set) -> tuple[int, int]:
+    """`_sweep`'s peak without the `outputs` (`graph`) and with them (`step`), in one pass that does not keep
+    what is live: a plan needs only the two figures."""
+    made, freed = [0] * (count + 1), [0] * (count + 1)  # all storages' bytes, made and freed at each position
+    made_out, freed_out = [0] * (count + 1), [0] * (count + 1)  # the outputs' alone
+    for s, (maker, size, end) in life.items():
+        made[maker] += size
+        freed[end] += size
+        if s in outputs:
+            made_out[maker] += size
+            freed_out[end] += size
+    graph = step = total = out = 0
+    for i in range(count):
+        total += made[i]
+        out += made_out[i]
+        step, graph = max(step, total), max(graph, total - out)
+        total -= freed[i]
+        out -= freed_out[i]
+    return graph, step
+
+
 def graph_peak(tg: TrainGraph) -> int:
     """Peak live bytes of graph-allocated storages over the node order."""
     return live_at_peak(tg)[0]
@@ -232,15 +253,15 @@ def plan(tg: TrainGraph, order: tuple[int, Lives, Set] | None = None) -> Plan:
     if order is None:
         nodes, lifetimes, made_outputs = _lifetimes(tg)  # one walk over the storages for both peaks
         order = len(nodes), lifetimes, made_outputs
-    count, life, outputs = order
+    graph, step = _peaks(*order)
     return Plan(
         params=params,
         frozen=_role_bytes(tg, "frozen") + _role_bytes(tg, "buffer"),
         grads=params,
         optimizer=2 * 4 * max(zero_shards([t.numel() for t in trainable], _WORLD.get())),
-        graph=_sweep(count, life, outputs)[0],
+        graph=graph,
         cache=_role_bytes(tg, "state") + tg.info.get("saved_states", 0),
-        step=_sweep(count, life, frozenset())[0] + grads_before,
+        step=step + grads_before,
         workspace=3 * largest,  # torch's single-tensor AdamW (CPU): sqrt, quotient and sum of one parameter
     )
 
