@@ -29,7 +29,6 @@ def tensors_in(value: object) -> list:
     return []
 
 
-
 def new_node(graph: fx.Graph, op: str, target: Any, args: tuple = (), kwargs: dict | None = None,
              name: str | None = None, type_expr: Any = None) -> fx.Node:
     """`graph.create_node(...)` without its walk over every argument for a raw SymInt, which only warns and
@@ -48,6 +47,7 @@ def copy_node(graph: fx.Graph, node: fx.Node, read: Callable[[fx.Node], Any]) ->
                       node.name, node.type)
     copied.meta = copy.copy(node.meta)
     return copied
+
 
 @dataclass
 class TrainGraph:
