@@ -22,7 +22,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 from torch import fx, nn
-from torch._subclasses.fake_tensor import unset_fake_temporarily
+from torch._subclasses.fake_tensor import FakeTensor, unset_fake_temporarily
 from torch.fx._lazy_graph_module import _make_graph_module
 from torch.fx.experimental.proxy_tensor import (
     CONSTANT_NUMEL_LIMIT,
@@ -121,6 +121,9 @@ class _Recorder(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if func is torch.ops.prim.device.default:
+            t = args[0]
+            if isinstance(t, FakeTensor):
+                return torch.device("meta") if t.fake_mode.in_kernel_invocation else t.fake_device
             return func(*args, **kwargs)
         if func is aten.sym_numel.default:  # make_fx decomposes it (a table of one)
             raise Unrecordable("sym_numel")
