@@ -24,8 +24,8 @@ import torch
 from torch import fx
 from torch.fx._lazy_graph_module import _LazyGraphModule
 
-from remat.capture import copied_value, laid_out_on
-from remat.graph import TrainGraph, copy_node
+from remat.capture import copied_value
+from remat.graph import TrainGraph, copy_node, laid_out_on
 from remat.hf import traced_pieces
 from remat.stamp import NotStampable, _mapped, _shares_an_input, backward_starts
 
