@@ -263,8 +263,7 @@ def run_bench(model: str | None, ctx: int, batch: int = 1, steps: int = 3, path:
 
     return_freed_memory()  # as the trainer does: the process peaks follow what is live
     loaded = models.load_model(model, seed=seed)
-    if ctx > loaded.max_ctx:
-        raise UsageError(f"--ctx {ctx} is above the model's maximum context {loaded.max_ctx}")
+    models.check_ctx(ctx, loaded.model.config)
     base: nn.Module = loaded.model.to(device)  # type: ignore[arg-type]  # transformers types .to oddly
     copies = [base] + [copy.deepcopy(base) for _ in names[1:]]  # the same initial weights, before any use
     if lora_settings is not None:  # the same seed: every variant starts from the same adapter

@@ -194,11 +194,16 @@ def cmd_finetune(args: argparse.Namespace) -> int:
     from remat import distributed
     from remat.train import Hooks, finetune
 
-    def show_plan(gate: dict) -> None:  # before the first step: a long run shows what it will hold at once
-        print(f"recompute: {gate['policy']} ({gate['recompute_reason']})\n{table(gate['plans'], ran=gate['policy'])}",
-              file=sys.stderr, flush=True)
+    def show_plan(gate: dict, heading: str = "") -> None:  # before the first step: what the run will hold at once
+        print(f"{heading}recompute: {gate['policy']} ({gate['recompute_reason']})\n"
+              f"{table(gate['plans'], ran=gate['policy'])}", file=sys.stderr, flush=True)
 
-    receipt = finetune(settings_from(TrainSettings, args), progress=True, hooks=Hooks(on_plan=show_plan))
+    def show_early_plan(gate: dict) -> None:
+        show_plan(gate, "planned from the model's config, before its weights load (traced, the step's own memory "
+                        "is added as `trace`):\n")
+
+    hooks = Hooks(on_plan=show_plan, on_early_plan=show_early_plan)
+    receipt = finetune(settings_from(TrainSettings, args), progress=True, hooks=hooks)
     if not distributed.is_main():  # a data-parallel run: rank 0 alone prints the receipt
         return 0
     r = receipt.as_dict()
@@ -293,8 +298,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
 
     s = settings_from(TrainSettings, args)
     loaded = models.load_model(s.model)
-    if s.ctx > loaded.max_ctx:
-        raise UsageError(f"--ctx {s.ctx} is above the model's maximum context {loaded.max_ctx}")
+    models.check_ctx(s.ctx, loaded.model.config)
     shape = step.StepShape.of(s)
     g = torch.Generator().manual_seed(0)
     ids, labels = torch.randint(0, loaded.model.config.vocab_size, (2, s.batch, s.ctx), generator=g)

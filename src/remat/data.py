@@ -341,18 +341,31 @@ def batches(windows: Windows, batch: int, *, seed: int, epoch: int) -> list[tupl
     ]
 
 
+@dataclass(frozen=True)
+class Records:
+    """Checked training records and the name errors call them by (the file's path, or "data")."""
+
+    items: list[dict]
+    name: str
+
+    @classmethod
+    def of(cls, source: str | os.PathLike | list) -> Records:
+        """Read a data file (`read_records`), or check a list of in-memory records (`parse_records`)."""
+        if isinstance(source, list):
+            return cls(parse_records(source), "data")
+        return cls(read_records(source), str(source))
+
+
 def load_windows(
-    path: str | os.PathLike | list, tokenizer, ctx: int, batch: int, *, pack: bool = True
+    source: str | os.PathLike | list | Records, tokenizer, ctx: int, batch: int, *, pack: bool = True
 ) -> Windows:
-    """Read, tokenize and window a data file (or a list of in-memory records); refuse data too small to train.
+    """Read (unless read already), tokenize and window a data file or records; refuse data too small to train.
 
     pack: concatenate the documents into full windows (True), or give each document windows of its own.
     """
-    if isinstance(path, list):
-        records, name = parse_records(path), "data"
-    else:
-        records, name = read_records(path), str(path)
-    examples = tokenize(records, tokenizer)
+    records = source if isinstance(source, Records) else Records.of(source)
+    name = records.name
+    examples = tokenize(records.items, tokenizer)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     windows = make_windows(examples, ctx, pad_id if pad_id is not None else 0, pack=pack)
     if len(windows) == 0:

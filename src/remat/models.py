@@ -225,6 +225,17 @@ def load_config(spec: str | None, *, num_layers: int | None = None) -> transform
     return config
 
 
+def max_ctx(config: transformers.PretrainedConfig) -> int:
+    """The longest window the model takes (its `max_position_embeddings`; none given: unbounded)."""
+    return int(getattr(config, "max_position_embeddings", None) or 1 << 20)
+
+
+def check_ctx(ctx: int, config: transformers.PretrainedConfig) -> None:
+    """UsageError when `ctx` is above the model's maximum context."""
+    if ctx > max_ctx(config):
+        raise UsageError(f"--ctx {ctx} is above the model's maximum context {max_ctx(config)}")
+
+
 # ---------------------------------------------------------------------------------------------------------
 # models
 
@@ -252,7 +263,7 @@ def _finish(model: transformers.PreTrainedModel, tokenizer, name: str) -> Loaded
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
     return LoadedModel(model=model, tokenizer=tokenizer, name=name,
-                       max_ctx=int(getattr(model.config, "max_position_embeddings", None) or 1 << 20))
+                       max_ctx=max_ctx(model.config))
 
 
 def _load_folder(folder: pathlib.Path) -> tuple[transformers.PreTrainedModel, transformers.PreTrainedTokenizerBase]:

@@ -276,15 +276,26 @@ def lora_settings(s: TrainSettings) -> adapters.LoraSettings | None:
     return adapters.LoraSettings(s.lora_r, s.lora_alpha, s.lora_dropout, s.lora_targets) if s.lora else None
 
 
-def planning_model(config, s: TrainSettings) -> nn.Module:
-    """The model as training would hold it, built on fake tensors: shapes and dtypes, no weights."""
+def planning_model(config, s: TrainSettings, budget: int | None = None) -> nn.Module:
+    """The model as training would hold it, built on fake tensors: shapes and dtypes, no weights. With a
+    `budget`, an adapter whose own state cannot fit it is refused first (`refuse_lora_over`)."""
     model: nn.Module
     with EagerStridesFakeMode(allow_non_fake_inputs=True):
         model = models.build_from_config(config, seed=s.seed)
     lora = lora_settings(s)
     if lora is not None:  # outside the fake mode: PEFT cannot swap fake weights, and the adapter is small
+        if budget is not None:
+            refuse_lora_over(model, lora, budget)
         model = adapters.apply_lora(model, lora, seed=s.seed)
     return model
+
+
+def refuse_lora_over(model: nn.Module, lora: adapters.LoraSettings, budget: int) -> None:
+    """GateRefused when the adapter's weights, grads and optimizer states alone exceed the budget: reckoned
+    from the base's shapes, before PEFT allocates them."""
+    why = adapters.over_budget(adapters.state_bytes(adapters.linear_shapes(model), lora), budget, lora, "--lora-r")
+    if why is not None:
+        raise GateRefused(f"refused: {why}")
 
 
 def plan_settings(s: TrainSettings, which: tuple[str, ...] = ("off", "on")) -> dict[str, Plan]:

@@ -259,8 +259,7 @@ def _models(model: str | None, ctx: int, lora: bool, seed: int,
             device: torch.device) -> tuple[Any, nn.Module, nn.Module]:
     """The loaded model, the shared copy (remat and AOT) and torch checkpointing's own copy."""
     loaded = models.load_model(model, seed=seed)
-    if ctx > loaded.max_ctx:
-        raise UsageError(f"--ctx {ctx} is above the model's maximum context {loaded.max_ctx}")
+    models.check_ctx(ctx, loaded.model.config)
     base: nn.Module = loaded.model.to(device)  # type: ignore[arg-type]  # transformers types .to oddly
     ckpt = copy.deepcopy(base)  # before any use: enabling checkpointing changes the model it is enabled on
     if lora:  # the same seed: both start from the same adapter

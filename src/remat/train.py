@@ -18,6 +18,7 @@ from tqdm import tqdm
 from remat import adapters, checkpoints, data, distributed, models, step, walk
 from remat.files import staged
 from remat.graph import StepInputs, TrainGraph
+from remat.hf import UnsupportedModel
 from remat.plan import (
     Measured,
     available_memory,
@@ -27,8 +28,9 @@ from remat.plan import (
     process_peak,
     resident,
     return_freed_memory,
+    trim_heap,
 )
-from remat.settings import GateRefused, TrainSettings, UsageError, percentile
+from remat.settings import RematError, TrainSettings, UsageError, percentile
 
 
 @dataclass
@@ -39,6 +41,9 @@ class Hooks:
     before_chunk: Callable[[], None] = lambda: None
     on_step: Callable[[dict], None] = lambda event: None
     on_plan: Callable[[dict], None] = lambda gate: None  # the gate's answer, before the first step (main rank)
+    # The gate's answer from the model's config, before its weights load (main rank): plans in seconds, without
+    # the trace's own memory. None: not asked (it costs a planning trace; the server gates its jobs itself).
+    on_early_plan: Callable[[dict], None] | None = None
 
 
 class BatchRunner:
@@ -124,24 +129,26 @@ def _finetune(s: TrainSettings, dp: distributed.Ranks, *, progress: bool, hooks:
     if out and out.exists() and (not out.is_dir() or any(out.iterdir())) and not s.resume:
         raise UsageError(f"--out {out} exists and is not an empty folder")
     resume = checkpoints.latest(s.resume) if s.resume else None
+    records = data.Records.of(s.data if s.data is not None else data.default_data_path())  # bad data: refused first
+    shape = step.StepShape.of(local)
+    if hooks.on_early_plan is not None:
+        _early_gate(s, shape, dp, budget, runtime, hooks.on_early_plan)
+        planned_at = resident()  # what planning left in the process (the modules it imported, caches) stays
+        if s.memory_budget is None:
+            budget -= max(0, planned_at - runtime)
+        runtime = planned_at
     torch.manual_seed(s.seed)
     loaded = models.load_model(s.model)  # a preset's weights are fixed: the seed is the run's, not the base's
-    if s.ctx > loaded.max_ctx:
-        raise UsageError(f"--ctx {s.ctx} is above the model's maximum context {loaded.max_ctx}")
-    windows = data.load_windows(s.data if s.data is not None else data.default_data_path(),
-                                loaded.tokenizer, s.ctx, s.batch, pack=s.pack)
+    models.check_ctx(s.ctx, loaded.model.config)
+    windows = data.load_windows(records, loaded.tokenizer, s.ctx, s.batch, pack=s.pack)
     per_epoch, total = s.optimizer_steps(len(windows))
     model: torch.nn.Module = loaded.model
     lora = step.lora_settings(s)
-    if lora is not None:  # from the base's shapes first: a rank that cannot fit is refused before PEFT allocates it
-        why = adapters.over_budget(adapters.state_bytes(adapters.linear_shapes(model), lora), budget, lora,
-                                   "--lora-r")
-        if why is not None:
-            raise GateRefused(f"refused: {why}")
+    if lora is not None:
+        step.refuse_lora_over(model, lora, budget)
         model = adapters.apply_lora(model, lora, seed=s.seed)
     dp.seed(s.seed)
 
-    shape = step.StepShape.of(local)
     before = resident()
     for name in ("off", "on"):  # traced once for every plan (the gate shows both): what they hold stays, code too
         step.build(model, shape, name).make_code()
@@ -153,8 +160,7 @@ def _finetune(s: TrainSettings, dp: distributed.Ranks, *, progress: bool, hooks:
     for p in choice.plans.values():  # the budget covers what the job allocates; the total, the whole process
         p.runtime, p.trace = runtime, trace
     if dp.is_main:
-        hooks.on_plan({"policy": choice.policy, "recompute_reason": choice.reason, "budget": budget,
-                       "plans": {k: p.as_dict() for k, p in choice.plans.items()}})
+        hooks.on_plan(_answer(choice, budget))
     graph = step.build(model, shape, choice.policy)
     preflight(graph, next(model.parameters()).device)
     tensors = StepInputs.of(model)
@@ -207,6 +213,34 @@ def _finetune(s: TrainSettings, dp: distributed.Ranks, *, progress: bool, hooks:
         world_size=dp.world_size,
         optimizer_state_bytes=dp.optimizer_state_bytes(optimizer),
     )
+
+
+def _early_gate(s: TrainSettings, shape: step.StepShape, dp: distributed.Ranks, budget: int, runtime: int,
+                show: Callable[[dict], None]) -> None:
+    """The gate on the model's shapes (`step.planning_model`: its config, fake weights), before its weights
+    load: a job that cannot fit is refused before anything of its size is allocated, and the plans show in
+    seconds. Every rank asks (each would refuse alike); the gate runs again once the step is traced."""
+    config = models.load_config(s.model)
+    models.check_ctx(s.ctx, config)
+    try:
+        model = step.planning_model(config, s, budget)
+        with per_rank(dp.world_size):
+            choice = step.choose(model, shape, s.recompute, budget)
+    except (RematError, UnsupportedModel):  # the traced gate would say the same, after loading the weights
+        raise
+    except Exception:  # noqa: BLE001 - a family whose code does not run on fake weights: the traced gate answers
+        return
+    for p in choice.plans.values():
+        p.runtime = runtime
+    if dp.is_main:
+        show(_answer(choice, budget))
+    del model, choice
+    trim_heap()  # what the planning held goes back to the kernel: the trace's share is measured from here
+
+
+def _answer(choice: step.Choice, budget: int) -> dict:
+    return {"policy": choice.policy, "recompute_reason": choice.reason, "budget": budget,
+            "plans": {k: p.as_dict() for k, p in choice.plans.items()}}
 
 
 def set_grads(params: list[torch.Tensor], runner: BatchRunner, batches: list,

@@ -82,14 +82,13 @@ def create_app(*, model: str | None = None, parallel: int = SERVE["parallel"], a
 def _bodies(model: str | None, n_ctx: int | None) -> dict:
     """The request models as the served model bounds them (`schemas.bounded`), from its config (no weights);
     the unbounded ones when the config cannot be read (the load reports why, in the background)."""
-    from remat.models import load_config
+    from remat.models import load_config, max_ctx
 
     try:
         config = load_config(model)
     except Exception:  # noqa: BLE001 - a bad model fails to load, and /health says why
         return {}
-    max_ctx = int(getattr(config, "max_position_embeddings", None) or 1 << 20)  # as the engine reads it
-    return schemas.bounded(schemas.Limits(n_ctx=n_ctx or max_ctx, vocab=int(config.vocab_size)))
+    return schemas.bounded(schemas.Limits(n_ctx=n_ctx or max_ctx(config), vocab=int(config.vocab_size)))
 
 
 # ---------------------------------------------------------------------------------------------------------
