@@ -91,14 +91,19 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     (out / "results.json").write_text(json.dumps(res, indent=2) + "\n")
     (out / "results.md").write_text(markdown(res))
+    plot(res, out / "results.png")
+    print(markdown(res))
+    return 0
+
+
+def plot(res: dict, dest: Path) -> None:
     m = res["median"]
-    chart(out / "results.png", ["first plan on screen", "traced gate (first step next)"],
+    chart(dest, ["first plan on screen", "traced gate (first step next)"],
           {side: [m[side]["first_s"], m[side]["traced_s"]] for side in ("before", "after")},
           texts={side: [f"{m[side]['first_s']:.1f}", f"{m[side]['traced_s']:.1f}"] for side in ("before", "after")},
           target=TARGET_S, target_label=f"target {TARGET_S:.0f} s (the plan on screen)",
-          xlabel="seconds from `remat finetune`'s start (SmolLM2-135M GGUF, LoRA)", height=2.6)
-    print(markdown(res))
-    return 0
+          xlabel="seconds from `remat finetune`'s start (SmolLM2-135M GGUF, LoRA)", height=2.6,
+          xmax=2.1 * max(m[side]["traced_s"] for side in m))
 
 
 def markdown(res: dict) -> str:

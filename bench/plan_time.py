@@ -190,9 +190,9 @@ def plot(res: dict, dest: Path) -> None:
 
 def chart(dest: Path, labels: list[str], seconds: dict[str, list[float]], *, target: float, target_label: str,
           xlabel: str, height: float, texts: dict[str, list[str]] | None = None, legend: dict[str, str] | None = None,
-          fontsize: int = 8) -> None:
+          fontsize: int = 8, xmax: float | None = None) -> None:
     """Before and after, a pair of bars per label, and the target: a bench's results.png (none without
-    matplotlib)."""
+    matplotlib). `xmax`: room on the right for the legend."""
     try:
         import matplotlib
     except ImportError:
@@ -211,6 +211,8 @@ def chart(dest: Path, labels: list[str], seconds: dict[str, list[float]], *, tar
     ax.axvline(target, color="tab:red", linestyle="--", label=target_label)
     ax.set_yticks([i + 0.2 for i in range(len(labels))], labels, fontsize=fontsize)
     ax.invert_yaxis()
+    if xmax is not None:
+        ax.set_xlim(0, xmax)
     ax.set_xlabel(xlabel)
     ax.legend(fontsize=8, loc="lower right")
     ax.grid(True, axis="x", alpha=0.3)
