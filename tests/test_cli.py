@@ -408,7 +408,7 @@ def test_lora_rank_that_cannot_fit_is_refused_before_it_is_allocated(cli):
     r = cli("finetune", "--lora-r", "4096", "--memory-budget", "2GiB")
     assert_one_error_line(r, 3, "a LoRA of rank 4096 needs 19,080.0 MiB", "over the budget of 2,048.0 MiB",
                           "--lora-r")
-    assert r.maxrss < 600 * MiB, r.maxrss / MiB  # runtime ~350 MiB; the frozen weights (513 MiB) and adapter: none
+    assert r.maxrss < 800 * MiB, r.maxrss / MiB  # runtime ~350 MiB, a GGUF config parse; no weights (513 MiB)
 
 
 def test_gate_auto_chooses_by_budget(cli, tiny_plans):
