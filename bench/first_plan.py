@@ -14,7 +14,6 @@ results.md and results.png into --out (default bench/results/first_plan).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import signal
@@ -25,7 +24,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from plan_time import chart, worktree
+from plan_time import chart, worktree, write_results
 
 ROOT = Path(__file__).resolve().parent.parent
 TARGET_S = 10.0  # the plan on screen within this many seconds of the start, here
@@ -87,12 +86,7 @@ def main(argv: list[str] | None = None) -> int:
            "runs": runs,
            "median": {side: {k: statistics.median(r[k] for r in rs) for k in ("first_s", "traced_s")}
                       for side, rs in runs.items()}}
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "results.json").write_text(json.dumps(res, indent=2) + "\n")
-    (out / "results.md").write_text(markdown(res))
-    plot(res, out / "results.png")
-    print(markdown(res))
+    write_results(Path(args.out), res, markdown, plot)
     return 0
 
 

@@ -29,6 +29,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -133,13 +134,17 @@ def main(argv: list[str] | None = None) -> int:
            "target_s": TARGET_S, "machine": f"{platform.machine()}, {os.cpu_count()} CPUs",
            "loadavg_start": load_start, "loadavg_end": [round(x, 2) for x in os.getloadavg()],
            "elapsed_s": round(time.monotonic() - started, 1), "cold_s": cold, "cases": cases}
-    out = Path(args.out)
+    write_results(Path(args.out), res, markdown, plot)
+    return 0
+
+
+def write_results(out: Path, res: dict, markdown: Callable[[dict], str], plot: Callable[[dict, Path], None]) -> None:
+    """A bench's results.json, results.md and results.png into `out`; the Markdown is printed too."""
     out.mkdir(parents=True, exist_ok=True)
     (out / "results.json").write_text(json.dumps(res, indent=2) + "\n")
     (out / "results.md").write_text(markdown(res))
     plot(res, out / "results.png")
     print(markdown(res))
-    return 0
 
 
 def _seconds(side: dict, limit: float) -> str:

@@ -19,7 +19,6 @@ results.md and results.png into --out (default bench/results/train_answer).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import statistics
@@ -29,7 +28,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from plan_time import chart, worktree
+from plan_time import chart, worktree, write_results
 from serve_slowdown import CONCURRENCY, Client, corpus_records, start_server
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -114,12 +113,7 @@ def main(argv: list[str] | None = None) -> int:
            "machine": f"{platform.machine()}, {os.cpu_count()} CPUs", "loadavg_start": load_start,
            "loadavg_end": [round(x, 2) for x in os.getloadavg()], "elapsed_s": round(time.monotonic() - started, 1),
            "summary": summary(rows), "requests": rows}
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "results.json").write_text(json.dumps(res, indent=2) + "\n")
-    (out / "results.md").write_text(markdown(res))
-    plot(res, out / "results.png")
-    print(markdown(res))
+    write_results(Path(args.out), res, markdown, plot)
     return 0
 
 
