@@ -99,14 +99,14 @@ def _specs(xs: list[torch.Tensor], grad_state: bool) -> tuple:
     return (spec[2], spec[5] if grad_state else None, *spec)  # grad_out is shaped as value
 
 
-@pytest.mark.parametrize("tokens", [1300, 1280])  # 21 chunks with padding, 20 without: both extrapolated
+@pytest.mark.parametrize("tokens", [900, 896])  # 15 chunks with padding, 14 without: both extrapolated
 def test_the_planned_workspace_is_what_the_op_allocates(tokens):
-    """The backward's internal peak as planned (fake tensors at 3-6 chunks, extrapolated) against the
+    """The backward's internal peak as planned (fake tensors at 3-5 chunks, extrapolated) against the
     profiler's allocation events of the real op at full size: an oracle that is not the op's own tracker.
     The plan may only over-count, by at most 7%: the weak references its tracker holds keep autograd from
     accumulating some gradients in place (the same run, tracked, allocates exactly the plan; 5.5-6% more
     at 700-2,048 tokens here)."""
-    assert -(-tokens // 64) > 18  # past what `_peak_at` runs at full size
+    assert -(-tokens // 64) > 12  # past what `_peak_at` runs at full size
     xs = [t.detach() for t in _inputs(tokens)]
     grad_out, grad_state = torch.randn_like(xs[2]), torch.randn_like(xs[5])
     args = (grad_out, grad_state, *xs)

@@ -14,7 +14,7 @@ so the rule's intermediates are recomputed inside its backward under every polic
 
 What an op holds inside (the backward: every chunk's intermediates) is its workspace, which the planner
 adds at the op's node (`plan.WORKSPACE`): run on the meta device at 3 and 4 chunks (every size in the rule is
-affine in the chunk count) and checked at 5 and 6, so planning costs the same at any window; `plan.measure`
+affine in the chunk count) and checked at 5, so planning costs the same at any window; `plan.measure`
 tracks the real one (`plan.held_inside`). Against the allocator's own events the plan over-counts by about
 6% of the workspace (the tracker's weak references keep autograd from summing some gradients in place);
 tests/test_delta_rule.py holds that bound.
@@ -259,16 +259,16 @@ def _workspace(node: fx.Node) -> int:
 def _peak_at(forward: bool, specs: tuple, tokens: int, module: str, chunk_size: int, l2norm: bool) -> int:
     """The op's internal peak for `tokens` tokens. Every size in the rule is affine in the chunk count for a
     fixed padding, and so is the peak once it falls at the same point of the run (from 3 chunks on in
-    transformers' rule): the peaks at 3 and 4 chunks (the same padding) give it; 5 and 6 check that. Up to
-    18 chunks one run at full size costs no more than those four."""
+    transformers' rule): the peaks at 3 and 4 chunks (the same padding) give it; 5 checks that. Up to
+    12 chunks one run at full size costs no more than those three."""
     chunks = -(-tokens // chunk_size)
     pad = chunks * chunk_size - tokens
     run = functools.partial(_peak, forward, specs, tokens, module=module, chunk_size=chunk_size, l2norm=l2norm)
-    if chunks <= 3 + 4 + 5 + 6:
+    if chunks <= 3 + 4 + 5:
         return run(tokens)
-    at = {n: run(n * chunk_size - pad) for n in (3, 4, 5, 6)}
+    at = {n: run(n * chunk_size - pad) for n in (3, 4, 5)}
     step = at[4] - at[3]
-    if at[5] - at[4] != step or at[6] - at[5] != step:
+    if at[5] - at[4] != step:
         return run(tokens)  # not affine here: planned at its size
     return at[3] + step * (chunks - 3)
 
