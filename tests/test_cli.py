@@ -88,7 +88,8 @@ def _run(argv: list[str], env: dict[str, str], cwd: Path) -> Run:
         finally:
             timer.cancel()
         seconds = time.perf_counter() - start
-    maxrss = int(paths["rss"].read_text()) * 1024 if paths["rss"].exists() else 0
+    # the launcher writes the run's rusage once the run ends; a run killed for its time has none
+    maxrss = 0 if killed.is_set() else int(paths["rss"].read_text()) * 1024
     run = Run(argv, p.returncode, paths["out"].read_text(), paths["err"].read_text(), seconds, maxrss)
     for path in paths.values():
         path.unlink(missing_ok=True)
