@@ -1,7 +1,7 @@
-"""The stamped step (`remat.stamp`: a prefix, two units of alike layers and a suffix traced, the second unit
-copied; `remat.pieces`: six of the loss's pieces traced, the middle one copied) is the whole trace, node for
-node, on every family of the conformance matrix whose layers repeat (one layer, or a group for hybrids); the
-others are traced whole."""
+"""The stamped step (`remat.stamp`: the first and last layers and two of each type between traced, the second
+of each type copied for the others; `remat.pieces`: six of the loss's pieces traced, the middle one copied) is
+the whole trace, node for node, on every family of the conformance matrix whose layers repeat (one type, or
+several for hybrids); the others are traced whole."""
 
 from __future__ import annotations
 
@@ -18,10 +18,11 @@ from remat.plan import plan
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
-LAYERS = 6  # the fewest a stamp copies a layer for (four traced, two copies)
+LAYERS = 6  # the fewest a stamp spares (four traced: the first, the last and two alike between)
 LOSS_CHUNK = 2  # eight pieces of the 16 tokens: the fewest `pieces` stamps (six traced, pieces 2-4 copied)
-# Hybrids (a repeating group of layers: sliding and full attention, MoE and dense MLP, attention and recurrent
-# mixers) at the fewest layers at which two of their groups are copied: 1 + 4 groups + the rest.
+# Hybrids (layers of several types: sliding and full attention, MoE and dense MLP, attention and recurrent
+# mixers) at depths where their pattern repeats at least four times: each type's copies then sit beside
+# neighbours of other types than its two traced layers did.
 DEPTHS: dict[str, int] = {
     **dict.fromkeys(["afmoe", "axk1", "axk2", "bailing_hybrid", "cohere2", "cohere2_moe", "cwm", "deepseek_v32",
                      "exaone4", "exaone_moe", "gemma2", "gemma3_text", "glm4_moe_lite", "gpt_neo", "gpt_oss",
@@ -36,19 +37,18 @@ DEPTHS: dict[str, int] = {
 # Families traced whole, with why (what `stamp` says at their depth): the test asserts they still are, so a
 # family that starts to stamp shows up.
 TRACED_WHOLE: dict[str, str] = {
-    "axk2": "another unit's parameter",
+    "axk2": "a copied layer's parameter",
     "beam": "the layer attn_residual_add_idx, mlp_residual_add_idx",
-    "deepseek_v32": "another unit's parameter",
+    "deepseek_v32": "a copied layer's parameter",
     "diffllama": "self_attn lambda_init",
     "ernie4_5_moe": "differ in length",
     "gpt_neo": "differ at _tensor_constant",
-    "gpt_neox_japanese": "attention dense_bias, use_bias",
     "hrm_text": "2 layers: too few to copy one",
     "mimo_v2_flash": "the backward does not run layer by layer",
     "mpt": "the backward does not run layer by layer",
     "nemotron_h": "4 layers: too few to copy one",
     "xlstm": "2 layers: too few to copy one",
-    "zamba2": "its layers do not repeat",  # deeper, its table of hybrid layers (`layer_dic`) no longer builds
+    "zamba2": "6 layers: too few to copy one",  # deeper, its table of hybrid layers (`layer_dic`) no longer builds
 }
 
 
@@ -136,3 +136,25 @@ def test_stamped_pieces_with_a_short_last_piece(name):
     assert traced[0] < traced[1] == len(stamped.graph.nodes)  # six pieces traced, nine in the graph
     assert _described(stamped) == _described(full)
     assert plan(stamped).as_dict() == plan(full).as_dict()
+
+
+@pytest.mark.parametrize(("model", "traced"), [
+    ("qwen3.5-0.8b", (0, 1, 2, 3, 7, 23)),  # 18 linear-attention layers and 6 full: the first two of each type
+    ("qwen2.5-coder-1.5b", (0, 1, 2, 27)),
+])
+def test_a_plan_traces_the_first_last_and_two_layers_of_each_type(model, traced):
+    with EagerStridesFakeMode(allow_non_fake_inputs=True):
+        built = models.build_from_config(models.load_config(model))
+    layers = [stamp._signature(m) for m in stamp.decoder_layers(built)]
+    picked = stamp._pick(layers)
+    assert picked.traced == traced
+    assert [layers[picked.traced[picked.source[i]]] for i in range(len(layers))] == layers  # each from its type
+
+
+def test_a_layer_whose_type_is_not_repeated_between_the_ends_is_traced_as_itself():
+    """Two dense layers, then MoE ones, the last dense again: the second dense layer has no twin between the
+    first and the last layers, so it stands for itself with the first; every MoE layer is layer 3, copied."""
+    picked = stamp._pick(["dense"] * 2 + ["moe"] * 7 + ["dense"])
+    assert picked.traced == (0, 1, 2, 3, 9)
+    assert picked.source == (0, 1, 3, 3, 3, 3, 3, 3, 3, 4)
+    assert picked.alike == ((2, 3),)

@@ -1,15 +1,16 @@
-"""The step of an N-layer model, stamped from the trace of its first few layers (plans only).
+"""The step of an N-layer model, stamped from the trace of a few of its layers (plans only).
 
 Decoder layers of one type are one function on different weights, so tracing all N of them repeats the
-same work N times (most of `remat plan`'s time). The layers split into a prefix, units of p alike layers
-(p = 1 for most models; a repeating group for hybrids: qwen3.5's 3 linear-attention layers and 1 full)
-and a suffix (`Units`). The model is traced with its prefix, two units and its suffix; units 1 and 2 of
-that trace are checked to be the same graph (op for op, each argument playing the same part: its own
-unit's node, the unit below's, its own parameter, a shared node), forward and backward. Unit 2's forward
-and backward are then copied for every unit after the first, on their own parameters, between the traced
-prefix and first unit and the traced suffix (renumbered): the suffix reads the top copy as it read unit 2,
-and each copy reads the copy below (and, backward, the one above) as unit 2 read unit 1 (and unit 1 read
-unit 2), which the check makes the same reads.
+same work N times (most of `remat plan`'s time). The layers are told apart by type (`_signature`: module
+classes, weight shapes, the plain settings their modules keep), and the model is traced with its first layer
+(it reads the embedding), its last (it feeds the head) and the first two layers of every type between them
+(`Picked`; the config's per-layer lists, such as `layer_types`, cut to match): qwen3.5-0.8b's 24 layers,
+18 linear-attention and 6 full, trace as layers 0, 1, 2, 3, 7 and 23. The two of a type are checked to be the
+same graph, forward and backward: op for op, each argument playing the same part (a node of its own layer;
+a value the layer below or above passes on, by its rank among what that layer passes on: the mark below,
+the gradient from above; its own parameter; a shared node such as the rotary tables). Every layer between
+the first and the last is then the second of its type, copied on its own parameters, reading the same-ranked
+values of the layers that are below and above it in the whole model.
 The result is the graph the whole trace makes, node for node (`tests/test_stamp.py` holds that on every
 family of the conformance matrix); a model whose layers do not repeat, or whose trace does not split
 into layers this way, is traced whole (`stamp` raises NotStampable).
@@ -32,13 +33,12 @@ from torch.fx._lazy_graph_module import _LazyGraphModule
 
 from remat.capture import copied_value
 from remat.graph import StepInputs, TrainGraph, copy_node
-from remat.hf import decoder_layers, prepare
+from remat.hf import causal_lm, decoder_layers, prepare
 from remat.marks import LAYER_MARK, MARK_OP
 from remat.plan import _storages
 from remat.policies import layer_index
 
-SEGMENTS = 4  # the small trace's: the prefix, the unit below the copies, the copied unit, the suffix
-COPIES = 2  # the fewest units a stamp copies (with fewer, the small trace is most of the whole)
+COPIES = 2  # the fewest layers a stamp must spare the trace (with fewer, the small trace is most of the whole)
 
 
 class NotStampable(Exception):
@@ -46,98 +46,79 @@ class NotStampable(Exception):
 
 
 def stamp(model: nn.Module, trace_small: Callable[[], TrainGraph]) -> TrainGraph:
-    """The whole model's step from `trace_small()` (the same trace, made while the model has its first
-    `Units.traced` decoder layers); NotStampable, with why, when the model must be traced whole."""
+    """The whole model's step from `trace_small()` (the same trace, made while the model runs only the layers
+    `Picked.traced`); NotStampable, with why, when the model must be traced whole."""
     prepare(model)  # the layer marks are numbered by the whole list, before it is cut
     layers = decoder_layers(model)
-    units = _units([_signature(m) for m in layers])
+    picked = _pick([_signature(m) for m in layers])
     prefix = _qualified_name(model, layers)
-    with _first_layers(layers, units.traced):
+    with _only_layers(model, layers, picked.traced):
         try:
             small = trace_small()
         except (KeyError, IndexError) as e:  # a model that keeps tables by layer (Zamba2's) runs no cut list
-            raise NotStampable(f"its first {units.traced} layers do not run alone: {type(e).__name__} {e}") from e
-    return _Stamper(small, prefix, units, StepInputs.of(model)).graph()
+            raise NotStampable(f"layers {list(picked.traced)} do not run alone: {type(e).__name__} {e}") from e
+    return _Stamper(small, prefix, picked, StepInputs.of(model)).graph()
 
 
-# ---------------------------------------------------------------------------------------------- units
+# ---------------------------------------------------------------------------------------------- picking
 
 
 @dataclass(frozen=True)
-class Units:
-    """How the n decoder layers split: a prefix of `a` layers, `count` units of `p` layers (alike unit for unit:
-    one layer for most models, a repeating group for hybrids such as qwen3.5's 3 linear : 1 full), a suffix of
-    `s` layers. The small trace has the prefix, two units (below the copies, the copied one) and the suffix;
-    the first layers of a model repeat with the same period, so the small model's suffix is the whole one's.
-    The stamped graph numbers its layers virtually: 0 the prefix, 1..count the units, then the suffix
-    (`layers`)."""
+class Picked:
+    """Which of the n layers the small trace runs (`traced`, in order; a layer's place is its index there), and
+    what each of the model's layers is stamped from (`source`: a place). The first and last layers (and any
+    layer of a type that does not occur twice between them) stand for themselves; every other layer is the
+    second traced layer of its type, copied. `alike`: the two places of each type, checked against each other.
+    The head stands after the layers, at place len(traced) and layer n."""
 
     n: int
-    a: int
-    p: int
-    s: int
+    traced: tuple[int, ...]
+    source: tuple[int, ...]
+    alike: tuple[tuple[int, int], ...]
 
     @property
-    def count(self) -> int:
-        return (self.n - self.a - self.s) // self.p
+    def head(self) -> int:
+        return len(self.traced)
 
-    @property
-    def layers(self) -> int:
-        return self.count + 2
+    def itself(self, place: int) -> bool:
+        """Whether a place stands for its own layer (the first, the last, the head) rather than being copied."""
+        return place == self.head or all(place not in pair for pair in self.alike)
 
-    @property
-    def traced(self) -> int:
-        return self.a + 2 * self.p + self.s
+    def layer(self, place: int) -> int:
+        """The model's layer a place that stands for itself is (the head: n)."""
+        return self.n if place == self.head else self.traced[place]
 
-    def small(self, j: int) -> tuple[int, int]:
-        """A traced layer's segment (0 the prefix, 1-2 the units, 3 the suffix) and its place in it."""
-        if j < self.a:
-            return 0, j
-        if j < self.a + 2 * self.p:
-            return 1 + (j - self.a) // self.p, (j - self.a) % self.p
-        return SEGMENTS - 1, j - self.a - 2 * self.p
-
-    def traced_layer(self, segment: int, r: int) -> int:
-        return r if segment == 0 else self.a + (segment - 1) * self.p + r
-
-    def full(self, virtual: int, r: int) -> int:
-        """The model's layer at place r of a virtual layer."""
-        if virtual == 0:
-            return r
-        if virtual == self.layers - 1:
-            return self.n - self.s + r
-        return self.a + (virtual - 1) * self.p + r
-
-    def virtual(self, i: int) -> tuple[int, int]:
-        """The model's layer i's virtual layer and place in it."""
-        if i < self.a:
-            return 0, i
-        if i >= self.n - self.s:
-            return self.layers - 1, i - (self.n - self.s)
-        return 1 + (i - self.a) // self.p, (i - self.a) % self.p
-
-    def ends(self) -> list[int]:
-        """The last traced layer of each segment."""
-        return [self.a - 1, *(self.a + k * self.p - 1 for k in (1, 2)), self.traced - 1]
+    def source_of(self, layer: int) -> int:
+        return self.head if layer == self.n else self.source[layer]
 
 
-def _units(signatures: list[tuple]) -> Units:
-    """The split that traces the fewest layers: for each period p, the shortest prefix (at least one layer: the
-    first reads the embedding) after which every layer is the one p below it; NotStampable when none copies
-    COPIES units."""
-    n, best = len(signatures), None
-    for p in range(1, n // (2 + COPIES) + 1):
-        a = next((a for a in range(1, n) if all(signatures[j] == signatures[j - p] for j in range(a + p, n))), n)
-        s = (n - a - 1) % p + 1  # at least one: the last layer feeds the head
-        units = Units(n, a, p, s)
-        if units.count >= 2 + COPIES and (best is None or units.traced < best.traced):
-            best = units
-    if best is not None:
-        return best
-    if n < 2 + COPIES + 2:
+def _pick(signatures: list[tuple]) -> Picked:
+    """The first and last layers, as few more at either end as it takes for every type between to occur twice,
+    and the first two of each type between; NotStampable when that spares the trace fewer than COPIES layers."""
+    n = len(signatures)
+    for ends in range(2, n - 1):
+        for a in range(1, ends):
+            between: dict[tuple, list[int]] = {}
+            for i in range(a, n - ends + a):
+                between.setdefault(signatures[i], []).append(i)
+            if all(len(layers) >= 2 for layers in between.values()):
+                return _picked(n, a, ends - a, list(between.values()))
+    if n < 4 + COPIES:
         raise NotStampable(f"{n} layers: too few to copy one")
     i = next(i for i in range(2, n) if signatures[i] != signatures[1])
     raise NotStampable(f"its layers do not repeat: {_difference(signatures[1], signatures[i])} (layers 1, {i})")
+
+
+def _picked(n: int, a: int, s: int, types: list[list[int]]) -> Picked:
+    traced = sorted({*range(a), *range(n - s, n), *(i for layers in types for i in layers[:2])})
+    if n - len(traced) < COPIES:
+        raise NotStampable(f"{n} layers: too few to copy one")
+    place = {layer: j for j, layer in enumerate(traced)}
+    source = [place.get(i, -1) for i in range(n)]
+    for layers in types:
+        for i in layers:
+            source[i] = place[layers[1]]
+    return Picked(n, tuple(traced), tuple(source), tuple((place[t[0]], place[t[1]]) for t in types))
 
 
 # ---------------------------------------------------------------------------------------------- layers
@@ -179,15 +160,24 @@ def _qualified_name(model: nn.Module, layers: nn.ModuleList) -> str:
 
 
 @contextlib.contextmanager
-def _first_layers(layers: nn.ModuleList, k: int) -> Iterator[None]:
-    """The decoder runs its first k layers only (the model iterates over its layer list; slices of it by the
-    configured depth stop at the list's end)."""
+def _only_layers(model: nn.Module, layers: nn.ModuleList, keep: tuple[int, ...]) -> Iterator[None]:
+    """The decoder runs only the layers `keep` (the model iterates over its layer list; slices of it by the
+    configured depth stop at the list's end), and its config's per-layer lists (`layer_types`: qwen3.5 picks
+    each layer's mask by its place in the list) are cut to match."""
     saved = dict(layers._modules)
-    layers._modules = {key: m for i, (key, m) in enumerate(saved.items()) if i < k}
+    n, keys = len(saved), list(saved)
+    configs = {id(c): c for m in causal_lm(model).modules() if (c := getattr(m, "config", None)) is not None}
+    lists = [(c, k, v) for c in configs.values() for k, v in vars(c).items()
+             if isinstance(v, (list, tuple)) and len(v) == n]
+    layers._modules = {keys[i]: saved[keys[i]] for i in keep}
+    for c, k, v in lists:
+        setattr(c, k, type(v)(v[i] for i in keep))
     try:
         yield
     finally:
         layers._modules = saved
+        for c, k, v in lists:
+            setattr(c, k, v)
 
 
 # ---------------------------------------------------------------------------------------------- segments
@@ -195,35 +185,44 @@ def _first_layers(layers: nn.ModuleList, k: int) -> Iterator[None]:
 
 @dataclass
 class Segments:
-    """The small trace split by segment (`Units.small`): forward F[i] runs from after the mark that ends segment
-    i-1 through the one that ends segment i (F[0] from the first node). A backward node belongs to the earliest
-    segment it reads (the mark that ends one counts as the next one's input), and backward B[i] runs from the
-    first node of segment i to the first of segment i-1, i = 1..3."""
+    """The small trace split by place (`Picked`): forward[j] runs from after the mark that ends place j-1 through
+    the one that ends place j (forward[0] from the first node: what comes before the layers, rotary tables and
+    masks, is shared); forward[head] is the head. A backward node belongs to the earliest place it reads (the
+    mark that ends one counts as the next one's input): backward[j] runs from the first node of place j to the
+    first of place j-1, backward[head] is what runs before the last layer's, backward[0] all after place 1's.
+    `passed[kind, j]`: the nodes of a segment that another place reads, in order (of the first one's forward,
+    only its mark): a layer reads its neighbours' by their rank there."""
 
     forward: list[list[fx.Node]]
-    backward: dict[int, list[fx.Node]]
-    layer_of: dict[fx.Node, tuple[str, int]]  # node -> ("F" or "B", layer) for nodes in a segment
+    backward: list[list[fx.Node]]
+    place: dict[fx.Node, tuple[str, int]]  # node -> ("F" or "B", place)
+    passed: dict[tuple[str, int], list[fx.Node]]
 
 
-def _segments(tg: TrainGraph, numbering: Numbering, units: Units) -> Segments:
+def _segments(tg: TrainGraph, numbering: Numbering, picked: Picked) -> Segments:
     fwd = [n for n in tg.forward_nodes() if n.op != "placeholder"]
     marks = [i for i, n in enumerate(fwd) if layer_index(n) is not None]
-    if [layer_index(fwd[i]) for i in marks] != list(range(units.traced)):
-        raise NotStampable(f"the layer marks are not 0..{units.traced - 1} in order")
-    ends = [marks[j] for j in units.ends()]
-    forward = [fwd[(ends[i - 1] + 1 if i else 0):ends[i] + 1] for i in range(SEGMENTS)]
-    layer_of = {n: ("F", i) for i, seg in enumerate(forward) for n in seg}
-    names = dict(zip(tg.placeholders(), tg.names))
-    # the mark that ends a segment is the next one's input: the backward nodes that read it belong to the next
-    label: dict[fx.Node, int] = {n: i + (n is forward[i][-1]) for n, (_, i) in layer_of.items()}
-    for p, name in names.items():
-        j = numbering.layer(name)
-        if j is not None:
-            label[p] = units.small(j)[0]
-    backward_nodes, starts = backward_starts(tg, label, SEGMENTS, "the backward does not run layer by layer")
-    backward = {SEGMENTS - 1 - k: backward_nodes[starts[k]:starts[k + 1]] for k in range(SEGMENTS - 1)}
-    layer_of.update((n, ("B", i)) for i, seg in backward.items() for n in seg)
-    return Segments(forward, backward, layer_of)
+    if [layer_index(fwd[i]) for i in marks] != list(picked.traced):
+        raise NotStampable(f"the layer marks are not {list(picked.traced)} in order")
+    k, cuts = picked.head, [0, *(i + 1 for i in marks)]
+    forward = [fwd[cuts[j]:cuts[j + 1]] for j in range(k)] + [fwd[cuts[k]:]]
+    place = {n: ("F", j) for j, seg in enumerate(forward[:k]) for n in seg}
+    # the mark that ends a place is the next one's input: the backward nodes that read it belong to the next
+    label: dict[fx.Node, int] = {n: j + (n is forward[j][-1]) for n, (_, j) in place.items()}
+    for p, name in zip(tg.placeholders(), tg.names):
+        layer = numbering.layer(name)
+        if layer is not None:
+            label[p] = picked.traced.index(layer)
+    place.update((n, ("F", k)) for n in forward[k])
+    nodes, starts = backward_starts(tg, label, k, "the backward does not run layer by layer")
+    backward = [nodes[starts[k - 1 - j]:(starts[k - j] if j else len(nodes))] for j in range(k)] + [nodes[:starts[0]]]
+    place.update((n, ("B", j)) for j, seg in enumerate(backward) for n in seg)
+    read_elsewhere = {a for x in tg.graph.nodes if x.op != "output"
+                      for a in x.all_input_nodes if a in place and place[a][1] != place.get(x, ("", -1))[1]}
+    passed = {(kind, j): [n for n in seg if n in read_elsewhere]
+              for kind, segs in (("F", forward), ("B", backward)) for j, seg in enumerate(segs)}
+    passed["F", 0] = forward[0][-1:]  # the rest of the first layer's forward is shared (see `_Stamper._role`)
+    return Segments(forward, backward, place, passed)
 
 
 def backward_starts(tg: TrainGraph, label: dict[fx.Node, int], count: int, refusal: str) -> tuple[list, list[int]]:
@@ -264,142 +263,114 @@ class Numbering:
 
 
 class _Stamper:
-    """Builds the whole graph in virtual layers (`Units`): `n` of them, 0 the prefix, n-1 the suffix."""
+    """The small trace split by place, each type's two layers checked alike, and the whole graph built from it:
+    every layer of the model from its source place (`graph`)."""
 
-    def __init__(self, small: TrainGraph, prefix: str, units: Units, full: StepInputs):
-        self.small, self.units, self.n, self.full = small, units, units.layers, full
+    def __init__(self, small: TrainGraph, prefix: str, picked: Picked, full: StepInputs):
+        self.small, self.picked, self.n, self.full = small, picked, picked.n, full
         self.name_of = dict(zip(small.placeholders(), small.names))
         self.numbering = Numbering(prefix)
-        self.seg = _segments(small, self.numbering, units)
-        self.index = {node: i for seg in [*self.seg.forward, *self.seg.backward.values()]
-                      for i, node in enumerate(seg)}
-        self._check_alike(("F", 1), ("F", 2))
-        self._check_alike(("B", 1), ("B", 2))
+        self.seg = _segments(small, self.numbering, picked)
+        self.index = {node: i for seg in [*self.seg.forward, *self.seg.backward] for i, node in enumerate(seg)}
+        self.rank = {node: i for seg in self.seg.passed.values() for i, node in enumerate(seg)}
+        self.shared_mark = self.seg.forward[0][-1]
+        for a, b in picked.alike:
+            for kind in ("F", "B"):
+                self._check_alike(kind, a, b)
+
+    def _segment(self, kind: str, place: int) -> list[fx.Node]:
+        return (self.seg.forward if kind == "F" else self.seg.backward)[place]
 
     # Each argument of a layer's node, by the part it plays; two layers are alike when every node's are equal.
-    def _role(self, arg: object, layer: int) -> object:
+    def _role(self, arg: object, place: int) -> object:
+        own = self.picked.traced[place]
         if not isinstance(arg, fx.Node):
-            j = _mark_layer(arg)
-            if j is None:
-                return arg
-            segment, r = self.units.small(j)
-            return (LAYER_MARK, segment - layer, r)
-        where = self.seg.layer_of.get(arg)
-        if where is None:
-            if arg.op == "placeholder":
-                name = self.name_of[arg]
-                j = self.numbering.layer(name)
-                if j is None:
-                    return ("param", name)
-                segment, r = self.units.small(j)
-                return ("param", self.numbering.renumber(name, r), segment - layer)
-            return ("shared", arg)
-        seg_kind, i = where
-        if (seg_kind, i) == ("F", 0) and arg is not self.seg.forward[0][-1]:
-            return ("shared", arg)  # the first segment holds what comes before the layers too (rope, masks)
-        seg = self._segment(seg_kind, i)
-        return (seg_kind, i - layer, self.index[arg] - len(seg))  # counted from the segment's end
+            return ("mark",) if arg == f"{LAYER_MARK}.{own}" else arg
+        if arg.op == "placeholder":
+            name = self.name_of[arg]
+            layer = self.numbering.layer(name)
+            if layer is None:
+                return ("param", name)
+            if layer != own:
+                raise NotStampable(f"layer {own} reads {name}, another layer's parameter")
+            return ("own param", self.numbering.renumber(name, 0))
+        kind, at = self.seg.place[arg]
+        if (kind, at) == ("F", 0) and arg is not self.shared_mark:
+            return ("shared", arg)  # the first place holds what comes before the layers too (rotary tables, masks)
+        if at == place:
+            return ("own", kind, self.index[arg])
+        if abs(at - place) == 1:
+            return ("below" if at < place else "above", kind, self.rank[arg])
+        raise NotStampable(f"layer {own} reads {arg.name}, of a layer not next to it")
 
-    def _roles(self, node: fx.Node, layer: int) -> tuple:
-        return node.op, node.target, _mapped((node.args, node.kwargs), lambda a: self._role(a, layer))
+    def _roles(self, node: fx.Node, place: int) -> tuple:
+        return node.op, node.target, _mapped((node.args, node.kwargs), lambda a: self._role(a, place))
 
-    def _segment(self, kind: str, layer: int) -> list[fx.Node]:
-        return self.seg.forward[layer] if kind == "F" else self.seg.backward[layer]
-
-    def _check_alike(self, a: tuple[str, int], b: tuple[str, int]) -> None:
-        sa, sb = self._segment(*a), self._segment(*b)
+    def _check_alike(self, kind: str, a: int, b: int) -> None:
+        sa, sb = self._segment(kind, a), self._segment(kind, b)
+        la, lb = self.picked.traced[a], self.picked.traced[b]
         if len(sa) != len(sb):
-            raise NotStampable(f"{a} and {b} differ in length")
+            raise NotStampable(f"layers {la} and {lb} differ in length ({kind})")
         for x, y in zip(sa, sb):
-            if self._roles(x, a[1]) != self._roles(y, b[1]):
-                raise NotStampable(f"layers {a[1]} and {b[1]} differ at {x.name} / {y.name}")
+            if self._roles(x, a) != self._roles(y, b):
+                raise NotStampable(f"layers {la} and {lb} differ at {x.name} / {y.name}")
 
     # ------------------------------------------------------------------ the whole graph
     def graph(self) -> TrainGraph:
-        small = self.small
+        small, p = self.small, self.picked
         new = fx.Graph()
-        env: dict[tuple[fx.Node, int], fx.Node] = {}  # (small node, the layer it stands for) -> new node
+        env: dict[tuple[fx.Node, int], fx.Node] = {}  # (small node, the model's layer it stands for) -> new node
         places = self._placeholders(new)
         order = self._order()
         for node, layer in order:
-            copied = env[node, layer] = copy_node(new, node, functools.partial(self._read, at=layer, reader=node,
+            copied = env[node, layer] = copy_node(new, node, functools.partial(self._read, layer=layer, reader=node,
                                                                                 env=env, places=places))
-            j = layer_index(node) if node.target is MARK_OP else None
-            if j is not None:
-                copied.args = (copied.args[0], f"{LAYER_MARK}.{self.units.full(layer, self.units.small(j)[1])}")
+            if node.target is MARK_OP and layer_index(node) is not None:
+                copied.args = (copied.args[0], f"{LAYER_MARK}.{layer}")
         out_small = next(x for x in small.graph.nodes if x.op == "output")
         new.output(self._outputs(out_small, env))
         self._values(new, order, env)
         gm = _LazyGraphModule(small.gm, new)  # its code is made on its first call: a plan never pays for it
-        last = next(layer for node, layer in order if node is small.boundary)
-        return TrainGraph(gm=gm, roles=self._roles_full(), names=self._names_full(),
-                          boundary=env[small.boundary, last], info=small.info)
-
-    def _layer_map(self, i: int, copy: int | None) -> int:
-        """The virtual layer a segment stands for: 0, 1 as they are; 2 as the copy; 3 as the last."""
-        return {0: 0, 1: 1, 2: copy if copy is not None else 2, 3: self.n - 1}[i]
+        boundary = env[small.boundary, p.layer(self.seg.place[small.boundary][1])]
+        return TrainGraph(gm=gm, roles=self._roles_full(), names=self._names_full(), boundary=boundary,
+                          info=small.info)
 
     def _order(self) -> list[tuple[fx.Node, int]]:
-        """Every small-trace node (placeholders aside) with the layer it stands for, in the stamped order."""
-        s, n = self.seg, self.n
-        order: list[tuple[fx.Node, int]] = []
-        f2, b2 = set(s.forward[2]), set(s.backward[2])
-        for node in self.small.graph.nodes:
-            if node.op in ("placeholder", "output") or node in b2:
-                continue
-            if node in f2:
-                if node is s.forward[2][0]:
-                    order += [(x, k) for k in range(2, n - 1) for x in s.forward[2]]
-                continue
-            order.append(self._key(node, -1))
-            if node is s.backward[3][-1]:  # the copies' backward, the top one first
-                order += [(x, k) for k in range(n - 2, 1, -1) for x in s.backward[2]]
-        return order
+        """Every node of the whole graph (placeholders aside) as (the small node it copies, its layer), in the
+        whole trace's order: the layers' forwards, the head's forward and backward, the layers' backwards."""
+        s, p, n = self.seg, self.picked, self.n
+        return [*((x, i) for i in range(n + 1) for x in s.forward[p.source_of(i)]),
+                *((x, i) for i in range(n, -1, -1) for x in s.backward[p.source_of(i)])]
 
-    def _read(self, arg: fx.Node, *, at: int, reader: fx.Node, env: dict, places: dict[str, fx.Node]) -> fx.Node:
-        """The new node that `reader`, standing for layer `at`, reads for the small-trace node `arg`."""
+    def _read(self, arg: fx.Node, *, layer: int, reader: fx.Node, env: dict, places: dict[str, fx.Node]) -> fx.Node:
+        """The new node that `reader`, standing for `layer`, reads for the small-trace node `arg`."""
+        p = self.picked
+        at_reader = self.seg.place[reader][1]
         if arg.op == "placeholder":
             name = self.name_of[arg]
-            j = self.numbering.layer(name)
-            if j is not None:
-                segment, r = self.units.small(j)
-                copied_reader = self.seg.layer_of.get(reader, ("", -1))[1] == 2
-                if (segment == 2) != copied_reader and segment != 0:  # a copy reads its own and the prefix's only
-                    raise NotStampable(f"{reader.name} reads {name}, another unit's parameter")
-                virtual = self._layer_map(segment, at if segment == 2 else None)
-                name = self.numbering.renumber(name, self.units.full(virtual, r))
+            own = self.numbering.layer(name)
+            if own is not None and at_reader != p.head and own == p.traced[at_reader]:
+                name = self.numbering.renumber(name, layer)
+            elif own is not None and not p.itself(p.traced.index(own)):
+                raise NotStampable(f"{reader.name} reads {name}, a copied layer's parameter")
             return places[name]
-        where = self.seg.layer_of.get(arg)
-        reader_where = self.seg.layer_of.get(reader)
-        if reader_where is not None and reader_where[1] == 2 and where is not None and where[1] in (1, 3):
-            arg, at = self._neighbour(arg, where, at)  # a copy reads the layer below or above it
-            where = self.seg.layer_of.get(arg)
-        if where is None or where[1] != 2:
-            key = self._key(arg, at)
-            if key not in env:
-                raise NotStampable(f"{reader.name} reads {arg.name} out of order")
-            return env[key]
-        # a node of the copied layer: which copy is read follows from the reader's layer and the segments
-        if reader_where is not None and reader_where[1] == 2:
-            return env[arg, at]  # within one copy
-        if reader_where in (("F", 3), ("B", 3)):
-            return env[arg, self.n - 2]  # the suffix reads the top copy
-        if reader_where == ("B", 1) and where[0] == "B":
-            return env[arg, 2]  # layer 1's backward reads the bottom copy's
-        raise NotStampable(f"{reader.name} reads the copied layer's {arg.name}")
-
-    def _neighbour(self, arg: fx.Node, where: tuple[str, int], at: int) -> tuple[fx.Node, int]:
-        """What copy `at` reads for `arg` of traced unit 1 or the suffix: that node itself when the layer next to
-        the copy is the traced one, else the same node (counted from its segment's end) of the next copy. The
-        suffix's forward ends in the head, not as a unit does: a copy below the top may not read it."""
-        kind, i = where
-        to = at + i - 2
-        if to == self._layer_map(i, None):
-            return arg, to
-        if (kind, i) == ("F", SEGMENTS - 1):
-            raise NotStampable(f"the copied layer reads the last layer's {arg.name}")
-        seg = self._segment(kind, i)
-        return self._segment(kind, 2)[self.index[arg] - len(seg)], to
+        kind, at = self.seg.place[arg]
+        if at == at_reader:
+            return env[arg, layer]
+        if (kind, at) == ("F", 0) and arg is not self.shared_mark:
+            return env[arg, 0]
+        if abs(at - at_reader) == 1:
+            to = layer + (1 if at > at_reader else -1)  # the layer next to this one in the whole model
+            source = p.source_of(to)
+            if source != at:
+                passed, was = self.seg.passed[kind, source], self.seg.passed[kind, at]
+                if len(passed) != len(was):
+                    raise NotStampable(f"layers {p.traced[source]} and {p.traced[at]} pass on different values")
+                arg = passed[self.rank[arg]]
+            return env[arg, to]
+        if p.itself(at) and p.itself(at_reader):
+            return env[arg, p.layer(at)]
+        raise NotStampable(f"{reader.name} reads {arg.name}, of a layer not next to it")
 
     # ------------------------------------------------------------------ placeholders and outputs
     def _names_full(self) -> list[str]:
@@ -426,58 +397,40 @@ class _Stamper:
             places[name] = p
         return places
 
-    def _key(self, node: fx.Node, layer: int) -> tuple[fx.Node, int]:
-        """A new node's key: a copied-layer node with the layer it is copied for, any other small-trace node
-        with the layer it stands for (-1 outside the layers)."""
-        where = self.seg.layer_of.get(node)
-        if where is not None and where[1] == 2:
-            return node, layer
-        return node, self._layer_map(where[1], None) if where else -1
-
     def _outputs(self, out: fx.Node, env: dict) -> tuple:
         results = [r for r in out.args[0] if isinstance(r, fx.Node)]  # type: ignore[union-attr]
         if len(results) != len(out.args[0]):  # type: ignore[arg-type]
             raise NotStampable("a grad that is not a graph value")
+        p = self.picked
         loss, *grads = results
         by_name = dict(zip(self.small.names, grads))  # trainables come first, in the order of the grads
-        new = [env[self._key(loss, -1)]]
+        new = [env[loss, p.layer(self.seg.place[loss][1])]]
         for name in self.full.trainable:
-            i = self.numbering.layer(name)
-            if i is None:
-                g, key = by_name[name], self._key(by_name[name], -1)
+            layer = self.numbering.layer(name)
+            source = p.head if layer is None else p.source[layer]
+            g = by_name[name if layer is None else self.numbering.renumber(name, p.traced[source])]
+            at = self.seg.place[g][1]
+            if at == source:
+                new.append(env[g, p.n if layer is None else layer])
+            elif p.itself(at) and p.itself(source):
+                new.append(env[g, p.layer(at)])
             else:
-                virtual, r = self.units.virtual(i)
-                segment = virtual if virtual <= 1 else SEGMENTS - 1 if virtual == self.n - 1 else 2
-                g = by_name[self.numbering.renumber(name, self.units.traced_layer(segment, r))]
-                key = self._key(g, virtual)
-                if (self.seg.layer_of.get(g, ("", -1))[1] == 2) != (segment == 2):
-                    raise NotStampable(f"the grad of {name} is not made by its own layer")
-            if key not in env:
-                raise NotStampable(f"the grad of {name} is made out of order")
-            new.append(env[key])
+                raise NotStampable(f"the grad of {name} is not made by its own layer")
         return tuple(new)
 
     def _values(self, new: fx.Graph, order: list[tuple[fx.Node, int]], env: dict) -> None:
         """Fake values: each copy's results in storages of their own, laid out as the original's (as a trace
         would have made them), or in its inputs' where the original's share its inputs' (views, in-place
-        results); a traced node that shares the storage of a copy or a placeholder it reads, likewise."""
-        original = {env[node, layer]: node for node, layer in order}
+        results); a node standing for itself that shares the storage of a copy or a placeholder it reads,
+        likewise."""
+        p = self.picked
         redone = {n for n in new.nodes if n.op == "placeholder"}  # renumbered: a traced view may read another
-        for c in new.nodes:
-            o = original.get(c)
-            if o is None:
-                continue
-            if (self.seg.layer_of.get(o, ("", -1))[1] == 2
-                    or (any(a in redone for a in c.all_input_nodes) and _shares_an_input(o))):
-                c.meta["val"] = copied_value(o, c)
+        for node, layer in order:
+            c = env[node, layer]
+            if (not p.itself(self.seg.place[node][1])
+                    or (any(a in redone for a in c.all_input_nodes) and _shares_an_input(node))):
+                c.meta["val"] = copied_value(node, c)
                 redone.add(c)
-
-
-def _mark_layer(arg: object) -> int | None:
-    """The layer a mark's label names (`l_out.3`: 3), None for any other argument."""
-    if isinstance(arg, str) and arg.startswith(f"{LAYER_MARK}.") and arg[len(LAYER_MARK) + 1:].isdigit():
-        return int(arg[len(LAYER_MARK) + 1:])
-    return None
 
 
 def _shares_an_input(node: fx.Node) -> bool:
