@@ -50,7 +50,9 @@ def stamp(model: nn.Module, trace_small: Callable[[], TrainGraph]) -> TrainGraph
     `Picked.traced`); NotStampable, with why, when the model must be traced whole."""
     prepare(model)  # the layer marks are numbered by the whole list, before it is cut
     layers = decoder_layers(model)
-    picked = _pick([_signature(m) for m in layers])
+    picked = layers.__dict__.get("_remat_picked")  # a model's layers are fixed once built: picked once per model
+    if picked is None:
+        picked = layers.__dict__["_remat_picked"] = _pick([_signature(m) for m in layers])
     prefix = _qualified_name(model, layers)
     with _only_layers(model, layers, picked.traced):
         try:
