@@ -21,8 +21,8 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 LAYERS = 6  # the fewest a stamp spares (four traced: the first, the last and two alike between)
 LOSS_CHUNK = 2  # eight pieces of the 16 tokens: the fewest `pieces` stamps (six traced, pieces 2-4 copied)
 # Hybrids (layers of several types: sliding and full attention, MoE and dense MLP, attention and recurrent
-# mixers) at depths where their pattern repeats at least four times: each type's copies then sit beside
-# neighbours of other types than its two traced layers did.
+# mixers) deep enough that their pattern repeats at least four times (1 + 4 groups + the rest), so that every
+# type has layers copied besides its two traced ones.
 DEPTHS: dict[str, int] = {
     **dict.fromkeys(["afmoe", "axk1", "axk2", "bailing_hybrid", "cohere2", "cohere2_moe", "cwm", "deepseek_v32",
                      "exaone4", "exaone_moe", "gemma2", "gemma3_text", "glm4_moe_lite", "gpt_neo", "gpt_oss",
