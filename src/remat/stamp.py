@@ -192,8 +192,8 @@ class Segments:
     masks, is shared); forward[head] is the head. A backward node belongs to the earliest place it reads (the
     mark that ends one counts as the next one's input): backward[j] runs from the first node of place j to the
     first of place j-1, backward[head] is what runs before the last layer's, backward[0] all after place 1's.
-    `passed[kind, j]`: the nodes of a segment that another place reads, in order (of the first one's forward,
-    only its mark): a layer reads its neighbours' by their rank there."""
+    `passed[kind, j]`: the nodes of a segment that the place below or above reads, in order (of the first one's
+    forward, only its mark): a layer reads its neighbours' by their rank there."""
 
     forward: list[list[fx.Node]]
     backward: list[list[fx.Node]]
@@ -219,9 +219,9 @@ def _segments(tg: TrainGraph, numbering: Numbering, picked: Picked) -> Segments:
     nodes, starts = backward_starts(tg, label, k, "the backward does not run layer by layer")
     backward = [nodes[starts[k - 1 - j]:(starts[k - j] if j else len(nodes))] for j in range(k)] + [nodes[:starts[0]]]
     place.update((n, ("B", j)) for j, seg in enumerate(backward) for n in seg)
-    read_elsewhere = {a for x in tg.graph.nodes if x.op != "output"
-                      for a in x.all_input_nodes if a in place and place[a][1] != place.get(x, ("", -1))[1]}
-    passed = {(kind, j): [n for n in seg if n in read_elsewhere]
+    read_next_door = {a for x in tg.graph.nodes if x in place
+                      for a in x.all_input_nodes if a in place and abs(place[a][1] - place[x][1]) == 1}
+    passed = {(kind, j): [n for n in seg if n in read_next_door]
               for kind, segs in (("F", forward), ("B", backward)) for j, seg in enumerate(segs)}
     passed["F", 0] = forward[0][-1:]  # the rest of the first layer's forward is shared (see `_Stamper._role`)
     return Segments(forward, backward, place, passed)
