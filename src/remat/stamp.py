@@ -164,8 +164,8 @@ def _qualified_name(model: nn.Module, layers: nn.ModuleList) -> str:
 @contextlib.contextmanager
 def _only_layers(model: nn.Module, layers: nn.ModuleList, keep: tuple[int, ...]) -> Iterator[None]:
     """The decoder runs only the layers `keep` (the model iterates over its layer list; slices of it by the
-    configured depth stop at the list's end), and its config's per-layer lists (`layer_types`: qwen3.5 picks
-    each layer's mask by its place in the list) are cut to match."""
+    configured depth stop at the list's end), and its config's per-layer lists (`layer_types`: LFM3 picks each
+    layer's mask and rotary tables by its place in the list) are cut to match."""
     saved = dict(layers._modules)
     n, keys = len(saved), list(saved)
     configs = {id(c): c for m in causal_lm(model).modules() if (c := getattr(m, "config", None)) is not None}
