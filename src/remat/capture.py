@@ -12,6 +12,7 @@ import functools
 import linecache
 import operator
 import traceback
+import weakref
 from collections.abc import Callable
 from pathlib import Path
 from typing import ClassVar, NamedTuple
@@ -258,22 +259,53 @@ def copied_value(original: fx.Node, copy: fx.Node) -> object:
     """
     if original.target is operator.getitem:
         return copy.args[0].meta["val"][copy.args[1]]  # type: ignore[union-attr]
-    storages: dict[StorageWeakRef, torch.UntypedStorage] = {}
-    for a_o, a_c in zip(original.all_input_nodes, copy.all_input_nodes):
-        for u_o, u_c in zip(tensors_in(a_o.meta.get("val")), tensors_in(a_c.meta.get("val"))):
-            storages.setdefault(StorageWeakRef(u_o.untyped_storage()), u_c.untyped_storage())
+    val, sources = original.meta["val"], _storage_sources(original)
+    inputs = [t for a in copy.all_input_nodes for t in tensors_in(a.meta.get("val"))]
+    made: dict[tuple[int], torch.UntypedStorage] = {}  # a new storage of the original's -> the copy's
 
-    def one(t: object) -> object:
+    def one(t: object, source: int | tuple[int]) -> object:
         if not isinstance(t, torch.Tensor):
             return t
-        ref = StorageWeakRef(t.untyped_storage())
-        if ref not in storages:
-            storages[ref] = torch.empty(t.untyped_storage().nbytes(), dtype=torch.uint8,
-                                        device="meta").untyped_storage()
-        return laid_out_on(t, storages[ref], t.storage_offset())
+        if isinstance(source, int):
+            return laid_out_on(t, inputs[source].untyped_storage(), t.storage_offset())
+        if source not in made and t.storage_offset() == 0:  # one whole new storage: made with its tensor
+            copied = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="meta")
+            if copied.untyped_storage().nbytes() == t.untyped_storage().nbytes():
+                made[source] = copied.untyped_storage()
+                return copied
+        if source not in made:
+            made[source] = torch.empty(t.untyped_storage().nbytes(), dtype=torch.uint8,
+                                       device="meta").untyped_storage()
+        return laid_out_on(t, made[source], t.storage_offset())
 
-    val = original.meta["val"]
-    return type(val)(map(one, val)) if isinstance(val, (tuple, list)) else one(val)
+    if isinstance(val, (tuple, list)):
+        return type(val)(map(one, val, sources))
+    return one(val, sources[0])
+
+
+_sources: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _storage_sources(original: fx.Node) -> list[int | tuple[int]]:
+    """For each element of the node's value, where its storage comes from: an input tensor's (its position
+    among the node's input tensors, in order), or a new one, `(k,)`, one k per new storage (results may share
+    one). Worked out once per node (a stamped layer's node is copied once per layer of its type): every copy of
+    it is laid out the same."""
+    if original not in _sources:
+        held: dict[StorageWeakRef, int | tuple[int]] = {}
+        inputs = [t for a in original.all_input_nodes for t in tensors_in(a.meta.get("val"))]
+        for i, t in enumerate(inputs):
+            held.setdefault(StorageWeakRef(t.untyped_storage()), i)
+        val = original.meta["val"]
+        sources: list[int | tuple[int]] = []
+        for t in val if isinstance(val, (tuple, list)) else [val]:
+            if isinstance(t, torch.Tensor):
+                ref = StorageWeakRef(t.untyped_storage())
+                sources.append(held.setdefault(ref, (len(held),)))
+            else:
+                sources.append(-1)
+        _sources[original] = sources
+    return _sources[original]
 
 
 class _LossModule(nn.Module):

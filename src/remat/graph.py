@@ -6,7 +6,6 @@ order, one role each (see docs/architecture.md, "The TrainGraph contract").
 
 from __future__ import annotations
 
-import copy
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -41,10 +40,12 @@ def new_node(graph: fx.Graph, op: str, target: Any, args: tuple = (), kwargs: di
     """`graph.create_node(...)` without its walk over every argument for a raw SymInt, which only warns and
     which remat's graphs never hold (their sizes are concrete): a fifth of stamping a step, as measured."""
     node = graph.create_node(op, target, name=name, type_expr=type_expr)
+    # past `Node.__setattr__`, which files the node again in the graph's table by (op, target) on every
+    # attribute set, though neither changes here (with `copy_node`'s meta: a sixth of stamping a step)
     if args:
-        node.args = args
+        object.__setattr__(node, "args", args)
     if kwargs:
-        node.kwargs = kwargs
+        object.__setattr__(node, "kwargs", kwargs)
     return node
 
 
@@ -52,7 +53,7 @@ def copy_node(graph: fx.Graph, node: fx.Node, read: Callable[[fx.Node], Any]) ->
     """`graph.node_copy(node, read)`, by `new_node`."""
     copied = new_node(graph, node.op, node.target, fx.map_arg(node.args, read), fx.map_arg(node.kwargs, read),
                       node.name, node.type)
-    copied.meta = copy.copy(node.meta)
+    copied.meta.update(node.meta)  # a new node's own (empty) dict: no attribute set (`new_node`)
     return copied
 
 

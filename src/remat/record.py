@@ -23,7 +23,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 from torch import fx, nn
-from torch._subclasses.fake_tensor import FakeTensor, unset_fake_temporarily
+from torch._subclasses.fake_tensor import FakeTensor, in_kernel_invocation_manager, unset_fake_temporarily
 from torch.fx._lazy_graph_module import _make_graph_module
 from torch.fx.experimental.proxy_tensor import (
     CONSTANT_NUMEL_LIMIT,
@@ -146,7 +146,7 @@ class _Recorder(TorchDispatchMode):
             func = aten.lift_fresh_copy.default
         node = new_node(self.graph, "call_function", func, self.arg(args), self.arg(kwargs),
                         name=self.graph._target_to_str(func.overloadpacket.__name__))
-        out = func(*args, **kwargs)
+        out = _viewed(func, args, kwargs, tensors) if func.is_view else func(*args, **kwargs)
         constant = None
         if func is aten.lift_fresh_copy.default and out.numel() <= CONSTANT_NUMEL_LIMIT:
             with unset_fake_temporarily():
@@ -181,6 +181,18 @@ class _Recorder(TorchDispatchMode):
             raise Unrecordable("symbolic sizes")
         elif out is not None and not isinstance(out, (int, float, bool)):
             raise Unrecordable(f"a {type(out).__name__} result of {node.target}")
+
+
+def _viewed(func, args: tuple, kwargs: dict, tensors: list[torch.Tensor]) -> object:
+    """`func(*args, **kwargs)` for a view op: of one fake tensor, the view made on its meta tensor directly and
+    wrapped as the mode would (a view's layout is fixed by its arguments: no fake kernel to choose one). Through
+    the mode's dispatch and its cache, a view cost 190 µs against 52; views are half a step's ops."""
+    if len(tensors) != 1 or not isinstance(t := tensors[0], FakeTensor) or t.constant is not None:
+        return func(*args, **kwargs)
+    with in_kernel_invocation_manager(t.fake_mode):
+        out = func(*args, **kwargs)
+    return FakeTensor(t.fake_mode, out, t.fake_device) if isinstance(out, torch.Tensor) else type(out)(
+        FakeTensor(t.fake_mode, e, t.fake_device) for e in out)
 
 
 def _snapshot(value: object) -> object:
