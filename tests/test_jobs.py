@@ -421,3 +421,32 @@ def test_restart_after_a_crash_keeps_adapters_and_resumes(tmp_path):
     finally:
         m.close()
     assert os.path.exists(tmp_path / "state.db")
+
+
+def test_a_server_keeps_the_plans_of_the_shapes_it_planned_not_their_graphs(tmp_path):
+    """Each new shape a client asks for is traced and planned; its plans are kept, so the same shape is
+    answered again without a trace, but its graphs are not: a server asked shape after shape would hold
+    every one's (SmolLM2 with LoRA: 25 MiB and 150,000 objects each) and walk them all in each collection."""
+    import gc
+
+    from torch import fx
+
+    from remat import capture
+
+    def live_nodes() -> int:
+        gc.collect()
+        return sum(isinstance(o, fx.Node) for o in gc.get_objects())
+
+    m = new_manager(tmp_path)
+    try:
+        first = m.plan(SMALL)
+        before = live_nodes()
+        traces = capture.trace_count()
+        for ctx in (40, 48, 56):
+            m.plan({**SMALL, "ctx": ctx})
+        assert capture.trace_count() == traces + 3
+        assert live_nodes() == before
+        again = m.plan(SMALL)  # from its plans (the budget is the memory free at the time)
+        assert again["plans"] == first["plans"] and capture.trace_count() == traces + 3
+    finally:
+        m.close()

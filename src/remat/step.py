@@ -75,6 +75,15 @@ def _rewriter(model: nn.Module, shape: StepShape) -> Rewriter:
     return rewriters[key]
 
 
+def forget_graphs(model: nn.Module) -> None:
+    """Drop the traced steps cached on `model` and keep their plans: a shape asked again is answered from them,
+    and one whose graph is needed again (a budget search, a policy not planned yet) is traced again. A server
+    plans each new shape a client asks for; kept, each one's graphs held 25 MiB and 150,000 objects (SmolLM2
+    with LoRA), which every full collection then walks: the fifth shape's took 0.4 s, the twelfth's 0.7."""
+    for kind in ("_remat_graphs", "_remat_rewriters"):
+        model.__dict__.pop(kind, None)
+
+
 def policy_name(policy: str | bool) -> str:
     """The canonical name: "on" for the per-layer policy (also spelled "layer" or True), "off" for False."""
     if isinstance(policy, bool):

@@ -526,11 +526,14 @@ class JobManager:
                 log.exception("planning failed")
                 raise ApiError(500, code="plan_failed", message=f"cannot plan this job: {one_line(e)}",
                                type="server_error") from None
+            finally:
+                for model in self._models.values():  # the plans are kept: a server asked many shapes keeps no graphs
+                    step.forget_graphs(model)
         return {"plans": {k: p.as_dict() for k, p in choice.plans.items()}, "policy": choice.policy,
                 "recompute": choice.policy != "off", "recompute_reason": choice.reason, "budget": budget}
 
     def _planning_model(self, s: TrainSettings) -> nn.Module:
-        """The served model on fake tensors with the LoRA `s` asks for, one per adapter shape (the graphs of
+        """The served model on fake tensors with the LoRA `s` asks for, one per adapter shape (the plans of
         every shape planned cache on it); call with the torch lock held (`_planning`)."""
         lora = (s.lora_r, s.lora_alpha, s.lora_dropout, tuple(s.lora_targets or ())) if s.lora else None
         if lora not in self._models:
@@ -545,7 +548,8 @@ class JobManager:
             self._linear_shapes()
             s = self._job_settings({})
             with self._planning():
-                step.plans(self._planning_model(s), step.StepShape.of(s))
+                step.plans(model := self._planning_model(s), step.StepShape.of(s))
+                step.forget_graphs(model)
         except Exception:  # the request that needs it says why, as a 4xx or 500 of its own
             log.debug("warming the planner failed", exc_info=True)
 
