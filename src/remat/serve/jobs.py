@@ -37,7 +37,7 @@ from pathlib import Path
 from pydantic import ValidationError
 from torch import nn
 
-from remat import adapters, checkpoints, data, models, step, train
+from remat import adapters, checkpoints, collector, data, models, step, train
 from remat.files import staged
 from remat.plan import available_memory
 from remat.serve import body
@@ -555,7 +555,9 @@ class JobManager:
 
     @contextlib.contextmanager
     def _planning(self) -> Iterator[None]:
-        """Hold the torch lock for a plan; the trainer sees a waiting planner and lets it go first."""
+        """Hold the torch lock for a plan; the trainer sees a waiting planner and lets it go first. The
+        collector stays paused until the plan's graphs are dropped (`step.forget_graphs`), so its next
+        collection frees them where they are, among the youngest objects, never walked again."""
         with self._lock:
             self._planners += 1
         try:
@@ -564,7 +566,8 @@ class JobManager:
             with self._lock:
                 self._planners -= 1
         try:
-            yield
+            with collector.paused:
+                yield
         finally:
             self._torch.release()
 
