@@ -79,7 +79,7 @@ def forget_graphs(model: nn.Module) -> None:
     """Drop the traced steps cached on `model` and keep their plans: a shape asked again is answered from them,
     and one whose graph is needed again (a budget search, a policy not planned yet) is traced again. A server
     plans each new shape a client asks for; kept, each one's graphs held 25 MiB and 150,000 objects (SmolLM2
-    with LoRA), which every full collection then walks: the fifth shape's took 0.4 s, the twelfth's 0.7."""
+    with LoRA), which every full collection then walks: 0.4 s after five shapes, 0.7 s after twelve."""
     for kind in ("_remat_graphs", "_remat_rewriters"):
         model.__dict__.pop(kind, None)
 
