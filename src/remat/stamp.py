@@ -3,14 +3,16 @@
 Decoder layers of one type are one function on different weights, so tracing all N of them repeats the
 same work N times (most of `remat plan`'s time). The layers are told apart by type (`_signature`: module
 classes, weight shapes, the plain settings their modules keep), and the model is traced with its first layer
-(it reads the embedding), its last (it feeds the head) and the first two layers of every type between them
-(`Picked`; the config's per-layer lists, such as `layer_types`, cut to match): qwen3.5-0.8b's 24 layers,
-18 linear-attention and 6 full, trace as layers 0, 1, 2, 3, 7 and 23. The two of a type are checked to be the
-same graph, forward and backward: op for op, each argument playing the same part (a node of its own layer;
-a value the layer below or above passes on, by its rank among what that layer passes on: the mark below,
-the gradient from above; its own parameter; a shared node such as the rotary tables). Every layer between
-the first and the last is then the second of its type, copied on its own parameters, reading the same-ranked
-values of the layers that are below and above it in the whole model.
+(it reads the embedding) and two layers of every type after it, the type's first and its second, or the last
+layer (it feeds the head) where that is of the type (`Picked`; the config's per-layer lists, such as
+`layer_types`, cut to match): qwen3.5-0.8b's 24 layers, 18 linear-attention and 6 full, the last full, trace as
+layers 0, 1, 2, 3 and 23; SmolLM2's 30 as 0, 1 and 29. The two of a type are checked to be the same graph,
+forward and backward: op for op, each argument playing the same part (a node of its own layer; a value the
+layer below or above, or the head, passes on, by its rank among what it passes on: the mark below, the
+gradient from above; its own parameter; a shared node such as the rotary tables). Every layer after the first
+is then the second of its type, copied on its own parameters, reading the same-ranked values of the layers
+that are below and above it in the whole model. A last layer whose check fails (it differs from its type's
+others beyond its signature) stands for itself, and the model is traced again without copying it.
 The result is the graph the whole trace makes, node for node (`tests/test_stamp.py` holds that on every
 family of the conformance matrix); a model whose layers do not repeat, or whose trace does not split
 into layers this way, is traced whole (`stamp` raises NotStampable).
@@ -53,13 +55,25 @@ def stamp(model: nn.Module, trace_small: Callable[[], TrainGraph]) -> TrainGraph
     picked = layers.__dict__.get("_remat_picked")  # a model's layers are fixed once built: picked once per model
     if picked is None:
         picked = layers.__dict__["_remat_picked"] = _pick([_signature(m) for m in layers])
-    prefix = _qualified_name(model, layers)
+    try:
+        return _stamped(model, layers, picked, trace_small)
+    except NotStampable:
+        if picked.itself(picked.source[-1]):
+            raise
+    # the last layer is not like its type's others beyond what its signature shows (axk1's backward holds more):
+    # it stands for itself, from now on
+    picked = layers.__dict__["_remat_picked"] = _pick([_signature(m) for m in layers], last_copied=False)
+    return _stamped(model, layers, picked, trace_small)
+
+
+def _stamped(model: nn.Module, layers: nn.ModuleList, picked: Picked,
+             trace_small: Callable[[], TrainGraph]) -> TrainGraph:
     with _only_layers(model, layers, picked.traced):
         try:
             small = trace_small()
         except (KeyError, IndexError) as e:  # a model that keeps tables by layer (Zamba2's) runs no cut list
             raise NotStampable(f"layers {list(picked.traced)} do not run alone: {type(e).__name__} {e}") from e
-    return _Stamper(small, prefix, picked, StepInputs.of(model)).graph()
+    return _Stamper(small, _qualified_name(model, layers), picked, StepInputs.of(model)).graph()
 
 
 # ---------------------------------------------------------------------------------------------- picking
@@ -68,9 +82,9 @@ def stamp(model: nn.Module, trace_small: Callable[[], TrainGraph]) -> TrainGraph
 @dataclass(frozen=True)
 class Picked:
     """Which of the n layers the small trace runs (`traced`, in order; a layer's place is its index there), and
-    what each of the model's layers is stamped from (`source`: a place). The first and last layers (and any
-    layer of a type that does not occur twice between them) stand for themselves; every other layer is the
-    second traced layer of its type, copied. `alike`: the two places of each type, checked against each other.
+    what each of the model's layers is stamped from (`source`: a place). The first layer (and any layer of a
+    type that does not occur twice, and the last where it must) stands for itself; every other layer is its
+    type's second traced layer, copied. `alike`: the two places of each type, checked against each other.
     The head stands after the layers, at place len(traced) and layer n."""
 
     n: int
@@ -83,7 +97,7 @@ class Picked:
         return len(self.traced)
 
     def itself(self, place: int) -> bool:
-        """Whether a place stands for its own layer (the first, the last, the head) rather than being copied."""
+        """Whether a place stands for its own layer (the first, the head, ...) rather than being copied."""
         return place == self.head or all(place not in pair for pair in self.alike)
 
     def layer(self, place: int) -> int:
@@ -94,12 +108,14 @@ class Picked:
         return self.head if layer == self.n else self.source[layer]
 
 
-def _pick(signatures: list[tuple]) -> Picked:
-    """The first and last layers, as few more at either end as it takes for every type between to occur twice,
-    and the first two of each type between; NotStampable when that spares the trace fewer than COPIES layers."""
-    n = len(signatures)
-    for ends in range(2, n - 1):
-        for a in range(1, ends):
+def _pick(signatures: list[tuple], last_copied: bool = True) -> Picked:
+    """The first layer, as few more at either end as it takes for every type between to occur twice, and two of
+    each type between: its first and its second, or the last layer where that is of the type (unless not
+    `last_copied`: then the last layer always stands for itself); NotStampable when that spares the trace fewer
+    than COPIES layers."""
+    n, s = len(signatures), 0 if last_copied else 1  # s: the fewest last layers that stand for themselves
+    for ends in range(1 + s, n - 1):
+        for a in range(1, ends + 1 - s):
             between: dict[tuple, list[int]] = {}
             for i in range(a, n - ends + a):
                 between.setdefault(signatures[i], []).append(i)
@@ -112,15 +128,17 @@ def _pick(signatures: list[tuple]) -> Picked:
 
 
 def _picked(n: int, a: int, s: int, types: list[list[int]]) -> Picked:
-    traced = sorted({*range(a), *range(n - s, n), *(i for layers in types for i in layers[:2])})
+    # each type's first layer and the one copied: its second, or the last layer where it is of the type
+    pairs = [(t[0], t[-1] if t[-1] == n - 1 else t[1]) for t in types]
+    traced = sorted({*range(a), *range(n - s, n), *(i for pair in pairs for i in pair)})
     if n - len(traced) < COPIES:
         raise NotStampable(f"{n} layers: too few to copy one")
     place = {layer: j for j, layer in enumerate(traced)}
     source = [place.get(i, -1) for i in range(n)]
-    for layers in types:
+    for layers, (_, copied) in zip(types, pairs):
         for i in layers:
-            source[i] = place[layers[1]]
-    return Picked(n, tuple(traced), tuple(source), tuple((place[t[0]], place[t[1]]) for t in types))
+            source[i] = place[copied]
+    return Picked(n, tuple(traced), tuple(source), tuple((place[x], place[y]) for x, y in pairs))
 
 
 # ---------------------------------------------------------------------------------------------- layers
