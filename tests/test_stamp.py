@@ -117,8 +117,7 @@ def test_stamped_step_is_the_whole_trace(name):
         stamped = small()  # its layers traced whole, its loss's pieces still stamped
     else:
         assert name not in TRACED_WHOLE, f"{name} stamps now: drop it from TRACED_WHOLE"
-        picked = stamp.decoder_layers(model).__dict__["_remat_picked"]
-        copied = not picked.itself(picked.source[-1])
+        copied = stamp.decoder_layers(model).__dict__["_remat_picked"].last_copied
         assert copied == (name not in LAST_ITSELF), f"{name}'s last layer is {'copied' if copied else 'itself'}"
     assert not pieces_refused, pieces_refused
     full = whole()

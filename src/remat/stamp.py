@@ -58,7 +58,7 @@ def stamp(model: nn.Module, trace_small: Callable[[], TrainGraph]) -> TrainGraph
     try:
         return _stamped(model, layers, picked, trace_small)
     except NotStampable:
-        if picked.itself(picked.source[-1]):
+        if not picked.last_copied:
             raise
     # the last layer is not like its type's others beyond what its signature shows (axk1's backward holds more):
     # it stands for itself, from now on
@@ -99,6 +99,11 @@ class Picked:
     def itself(self, place: int) -> bool:
         """Whether a place stands for its own layer (the first, the head, ...) rather than being copied."""
         return place == self.head or all(place not in pair for pair in self.alike)
+
+    @property
+    def last_copied(self) -> bool:
+        """Whether the last layer is its type's copied one (checked against the type's first) or stands for itself."""
+        return not self.itself(self.source[-1])
 
     def layer(self, place: int) -> int:
         """The model's layer a place that stands for itself is (the head: n)."""
