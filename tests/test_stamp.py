@@ -10,11 +10,12 @@ import torch
 from torch import fx
 
 import conformance as C
-from remat import models, pieces, stamp
+from remat import models, pieces, policies, stamp
 from remat.capture import EagerStridesFakeMode, capture
 from remat.graph import TrainGraph, tensors_in
 from remat.hf import UnsupportedModel
 from remat.plan import plan
+from remat.recompute import LAYER, Rewriter
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -104,8 +105,10 @@ def test_stamped_step_is_the_whole_trace(name):
             pieces_refused.append(str(e))
             return whole()
 
+    stamper = None
     try:
-        stamped = stamp.stamp(model, small)
+        stamper = stamp.stamp(model, small)
+        stamped = stamper.graph()
     except UnsupportedModel as e:  # refused for the window path as a whole (the matrix asserts it)
         pytest.skip(str(e))
     except torch._subclasses.fake_tensor.DataDependentOutputException as e:  # fake weights: traced whole too
@@ -124,6 +127,11 @@ def test_stamped_step_is_the_whole_trace(name):
     assert _described(stamped) == _described(full)
     assert stamped.names == full.names and stamped.roles == full.roles
     assert plan(stamped).as_dict() == plan(full).as_dict()  # the same graph and layouts: every policy's plan too
+    if stamper is not None:  # and the plans stamped without the whole graph: its own, and its rewrites'
+        assert stamper.plan().as_dict() == plan(full).as_dict()
+        rewriter = Rewriter(full)
+        for policy in (LAYER, policies.parse("dots")):
+            assert stamper.plan(policy).as_dict() == rewriter.plan(policy).as_dict(), policy.name
 
 
 @pytest.mark.parametrize("name", ["llama", "gemma2", "qwen3_5_text"])  # plain; softcapped logits; hybrid

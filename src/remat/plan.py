@@ -225,15 +225,6 @@ def graph_peak(tg: TrainGraph) -> int:
     return live_at_peak(tg)[0]
 
 
-def _role_bytes(tg: TrainGraph, role: str) -> int:
-    return sum(
-        t.untyped_storage().nbytes()
-        for n, r in zip(tg.placeholders(), tg.roles)
-        if r == role
-        for t in tensors_in(n.meta.get("val"))
-    )
-
-
 def _made_grads(tg: TrainGraph) -> int:
     """Bytes of the step's grads (its outputs after the loss) that the graph allocates; the rest alias its
     inputs (a walk's grad sums)."""
@@ -242,28 +233,111 @@ def _made_grads(tg: TrainGraph) -> int:
     return sum(made.values())
 
 
-def plan(tg: TrainGraph, order: tuple[int, Lives, Set] | None = None) -> Plan:
+Order = tuple[int, Lives, Set]  # a node order: its length, its storages' `lives`, its outputs' storages
+
+
+def plan(tg: TrainGraph, order: Order | None = None) -> Plan:
     """Bytes by category for running `tg` as a training step with AdamW. `order`, when given, is another
-    node order of the same step (its length, its storages' `lives` and its outputs' storages): a rewrite
-    planned without making its graph (`recompute.Rewriter.plan`)."""
-    trainable = [t for n, r in zip(tg.placeholders(), tg.roles) if r == "trainable" for t in tensors_in(n.meta["val"])]
-    params = sum(t.numel() * t.element_size() for t in trainable)
-    largest = max((t.numel() * t.element_size() for t in trainable), default=0)
-    grads_before = max(0, params - _made_grads(tg))  # grads held before the step starts (a walk's sums)
+    node order of the same step: a rewrite planned without making its graph (`recompute.Rewriter.plan`)."""
     if order is None:
         nodes, lifetimes, made_outputs = _lifetimes(tg)  # one walk over the storages for both peaks
         order = len(nodes), lifetimes, made_outputs
+    inputs = [(r, n.meta.get("val")) for n, r in zip(tg.placeholders(), tg.roles)]
+    return planned(inputs, _made_grads(tg), order, tg.info)
+
+
+def planned(inputs: Sequence[tuple[str, object]], made_grads: int, order: Order, info: dict) -> Plan:
+    """The plan of a step from its inputs' roles and values, the bytes of the grads it makes (`_made_grads`),
+    its node order and its `info` (`plan`'s parts, for a step planned without its graph)."""
+    trainable = [t for r, v in inputs if r == "trainable" for t in tensors_in(v)]
+    params = sum(t.numel() * t.element_size() for t in trainable)
+    largest = max((t.numel() * t.element_size() for t in trainable), default=0)
+
+    def role_bytes(*roles: str) -> int:
+        return sum(t.untyped_storage().nbytes() for r, v in inputs if r in roles for t in tensors_in(v))
+
     graph, step = _peaks(*order)
     return Plan(
         params=params,
-        frozen=_role_bytes(tg, "frozen") + _role_bytes(tg, "buffer"),
+        frozen=role_bytes("frozen", "buffer"),
         grads=params,
         optimizer=2 * 4 * max(zero_shards([t.numel() for t in trainable], _WORLD.get())),
         graph=graph,
-        cache=_role_bytes(tg, "state") + tg.info.get("saved_states", 0),
-        step=step + grads_before,
+        cache=role_bytes("state") + info.get("saved_states", 0),
+        step=step + max(0, params - made_grads),  # with the grads held before the step starts (a walk's sums)
         workspace=3 * largest,  # torch's single-tensor AdamW (CPU): sqrt, quotient and sum of one parameter
     )
+
+
+class Storages:
+    """Makes a step as the planner sees it, node by node, without a graph: each node's storages (with bytes)
+    and its last reader, in order (`recompute.Rewriter.plan`, `stamp`'s plans). A copy of a node holds its
+    original's storages, or new ones of the same sizes (`new`: a value made again by the same op); where the
+    original holds an input's storage (a view, an in-place write), the copy holds that input's copy's instead."""
+
+    def __init__(self, storages: Callable[[fx.Node], Sequence[tuple[Hashable, int]]]):
+        self.storages = storages  # an original node's, in the order its value holds them
+        self.held: list[list[tuple[Hashable, int]]] = []
+        self.last_read: list[int] = []
+        self.inside: list[int] = []  # what each node holds while it runs beyond its value (`workspace`)
+        self.inputs: set[Hashable] = set()
+        self.grads: list[tuple[Hashable, int]] = []  # what the step's outputs after the loss hold
+        self.outputs: set[Hashable] = set()
+        self.templates: dict[fx.Node, tuple[list[tuple[Hashable, int, int, int]], int]] = {}  # see `_template`
+
+    def input(self, key: Hashable) -> int:
+        """A placeholder of its own (not an original's copy): its one storage is `key`."""
+        self.inputs.add(key)
+        return self._append([(key, 0)], 0)
+
+    def copy(self, n: fx.Node, arg: Callable[[fx.Node], int], new: bool = False) -> int:
+        if n.op == "output":
+            return self.output([arg(a) for a in n.all_input_nodes])
+        i = len(self.held)
+        read = [arg(a) for a in n.all_input_nodes]
+        for h in read:
+            self.last_read[h] = i
+        own, inside = self._template(n)
+        # keys of one type: (-1, its storage) for an original's, (i, the original's) for node i's new one
+        mine = i if new else -1
+        self._append([(self.held[read[k]][j][0] if k >= 0 else (mine, s), size) for s, size, k, j in own], inside)
+        if n.op == "placeholder":
+            self.inputs.update(s for s, _ in self.held[i])
+        return i
+
+    def _template(self, n: fx.Node) -> tuple[list[tuple[Hashable, int, int, int]], int]:
+        """An original's storages, each with where an input holds it (the input's place among the node's
+        inputs, and the storage's among that input's; the last such, else -1, -1), and its `workspace`: the
+        same for every copy of it."""
+        if n not in self.templates:
+            where = {s: (k, j) for k, a in enumerate(n.all_input_nodes) for j, (s, _) in enumerate(self.storages(a))}
+            self.templates[n] = [(s, size, *where.get(s, (-1, -1))) for s, size in self.storages(n)], workspace(n)
+        return self.templates[n]
+
+    def clone(self, n: fx.Node, arg: Callable[[fx.Node], int], layer: int | None) -> int:
+        return self.copy(n, arg, new=True)
+
+    def output(self, results: list[int]) -> int:
+        """The step's output node: the loss, then the grads (positions of the nodes that make them)."""
+        i = self._append([], 0)
+        for h in results:
+            self.last_read[h] = i
+        self.outputs = {s for h in results for s, _ in self.held[h]}
+        self.grads = [held for h in results[1:] for held in self.held[h]]
+        return i
+
+    def order(self) -> Order:
+        outputs = self.outputs - self.inputs
+        return len(self.held), lives(self.held, self.last_read, self.inputs, outputs, self.inside), outputs
+
+    def made_grads(self) -> int:
+        return sum({s: size for s, size in self.grads if s not in self.inputs}.values())
+
+    def _append(self, held: list[tuple[Hashable, int]], inside: int) -> int:
+        self.held.append(held)
+        self.last_read.append(len(self.held) - 1)
+        self.inside.append(inside)
+        return len(self.held) - 1
 
 
 _WORLD: contextvars.ContextVar[int] = contextvars.ContextVar("remat_plan_world_size", default=1)

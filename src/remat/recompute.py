@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import functools
 from collections import Counter
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -35,10 +35,11 @@ from remat import alias
 from remat.capture import copied_value
 from remat.graph import TrainGraph, copy_node, interpret, tensors_in
 from remat.marks import mark_name
-from remat.plan import Lives, Plan, lives, plan, sized_storages, workspace
+from remat.plan import Plan, Storages, plan, sized_storages
 from remat.policies import Policy, layer_index, layer_marks
 
 CLONE_OF = "remat_clone_of"  # node.meta key: the original a clone recomputes
+CLONE_FOR = "remat_clone_for"  # node.meta key: the layer whose backward reads a clone (None: the head's)
 LAYER = layer_marks()  # `on`: one mark per layer
 
 
@@ -126,14 +127,14 @@ class Rewriter:
 
     def plan(self, policy: Policy, kept: dict[fx.Node, str] | None = None) -> Plan:
         """`plan(self(policy, kept))`, to the byte, without making the graph: a budget search's probe."""
-        made = _Storages(self.storages)
+        made = Storages(self.storages)
         self._copy(keep_reasons(self.tg, policy) if kept is None else kept, made)
         return plan(self.tg, made.order())
 
-    def _copy(self, kept: dict[fx.Node, str], made: _Graph | _Storages) -> tuple[dict[fx.Node, Any], dict[Key, Any]]:
+    def _copy(self, kept: dict[fx.Node, str], made: _Graph | Storages) -> tuple[dict[fx.Node, Any], dict[Key, Any]]:
         """The rewritten step, made by `made` in order; each original's copy, and each clone."""
         fwd_index, region = self.fwd_index, self.region
-        env: dict[fx.Node, Any] = {}  # original -> its copy (a node, or a position in `_Storages`)
+        env: dict[fx.Node, Any] = {}  # original -> its copy (a node, or a position in `Storages`)
         clones: dict[Key, Any] = {}
 
         for n in self.forward:
@@ -166,9 +167,13 @@ class Rewriter:
             for a in reads:
                 needed(a, r, todo)
             for m, mr in sorted(todo, key=lambda k: (fwd_index[k[0]], k[1])):
-                clones[m, mr] = made.clone(m, functools.partial(value, r=mr))
+                clones[m, mr] = made.clone(m, functools.partial(value, r=mr), self._layer(mr))
             env[n] = made.copy(n, functools.partial(read, r=r))
         return env, clones
+
+    def _layer(self, r: int) -> int | None:
+        """The layer whose backward reads region r's clones: the one its mark ends (None: the head)."""
+        return layer_index(self.forward[r]) if r < len(self.forward) else None
 
     def _fake_values(self, fresh: list[fx.Node], origin: dict[fx.Node, object]) -> None:
         """`capture.copied_value` for `fresh`, reusing the value an earlier rewrite made from the same inputs:
@@ -193,49 +198,11 @@ class _Graph:
     def copy(self, n: fx.Node, arg: Callable[[fx.Node], fx.Node]) -> fx.Node:
         return copy_node(self.graph, n, arg)
 
-    def clone(self, n: fx.Node, arg: Callable[[fx.Node], fx.Node]) -> fx.Node:
+    def clone(self, n: fx.Node, arg: Callable[[fx.Node], fx.Node], layer: int | None) -> fx.Node:
         c = copy_node(self.graph, n, arg)
         c.meta[CLONE_OF] = n.name
+        c.meta[CLONE_FOR] = layer
         return c
-
-
-class _Storages:
-    """Makes the rewritten step as the planner sees it: each node's storages (with bytes) and its last
-    reader, in order, no graph. A copy holds its original's storages, a clone new ones of the same sizes
-    (`_fresh`'s values are made by the same ops); where the original holds an input's storage (a view, an
-    in-place write), the copy or clone holds that input's copy's or clone's instead."""
-
-    def __init__(self, storages: Callable[[fx.Node], Sequence[tuple[Hashable, int]]]):
-        self.storages = storages  # an original node's, in the order its value holds them
-        self.held: list[list[tuple[Hashable, int]]] = []
-        self.last_read: list[int] = []
-        self.inside: list[int] = []  # what each node holds while it runs beyond its value (`plan.workspace`)
-        self.inputs: set[Hashable] = set()
-        self.outputs: set[Hashable] = set()
-
-    def copy(self, n: fx.Node, arg: Callable[[fx.Node], int], new: bool = False) -> int:
-        i = len(self.held)
-        through: dict[Hashable, Hashable] = {}  # an input's original storage -> the one its copy holds
-        for a in n.all_input_nodes:
-            h = arg(a)
-            self.last_read[h] = i
-            through.update((s, t) for (s, _), (t, _) in zip(self.storages(a), self.held[h], strict=True))
-        # keys of one type: (-1, its storage) for an original's, (i, the original's) for node i's new one
-        self.held.append([(through.get(s, (i if new else -1, s)), size) for s, size in self.storages(n)])
-        self.last_read.append(i)
-        self.inside.append(workspace(n))
-        if n.op == "placeholder":
-            self.inputs.update(s for s, _ in self.held[i])
-        elif n.op == "output":
-            self.outputs = {s for a in n.all_input_nodes for s, _ in self.held[arg(a)]}
-        return i
-
-    def clone(self, n: fx.Node, arg: Callable[[fx.Node], int]) -> int:
-        return self.copy(n, arg, new=True)
-
-    def order(self) -> tuple[int, Lives, set[Hashable]]:
-        outputs = self.outputs - self.inputs
-        return len(self.held), lives(self.held, self.last_read, self.inputs, outputs, self.inside), outputs
 
 
 def _fresh(graph: fx.Graph, clones: set[fx.Node]) -> list[fx.Node]:

@@ -17,6 +17,11 @@ The result is the graph the whole trace makes, node for node (`tests/test_stamp.
 family of the conformance matrix); a model whose layers do not repeat, or whose trace does not split
 into layers this way, is traced whole (`stamp` raises NotStampable).
 
+A plan does not even make the whole graph (`Stamper.plan`): it walks the same copies as the planner sees
+them (each node's storages and last reader, `plan.Storages`), and a policy that saves alike in every layer
+(on, dots) rewrites the small trace first, its recompute clones belonging to the layer whose backward reads
+them, and stamps that. `tests/test_stamp.py` holds these plans to the whole trace's, byte for byte.
+
 Only plans use it: a stamped graph is never run (its model has fake weights), so a layer that differs
 beyond what the checks see could misplan memory but never change training.
 """
@@ -28,7 +33,9 @@ import functools
 import re
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import Any
 
+import torch
 from torch import fx, nn
 from torch._subclasses.fake_tensor import FakeTensor
 from torch.fx._lazy_graph_module import _LazyGraphModule
@@ -37,8 +44,9 @@ from remat.capture import copied_value
 from remat.graph import StepInputs, TrainGraph, copy_node
 from remat.hf import causal_lm, decoder_layers, prepare
 from remat.marks import LAYER_MARK, MARK_OP
-from remat.plan import _storages
-from remat.policies import layer_index
+from remat.plan import Order, Plan, Storages, _storages, planned, sized_storages
+from remat.policies import Policy, layer_index
+from remat.recompute import CLONE_FOR, Rewriter
 
 COPIES = 2  # the fewest layers a stamp must spare the trace (with fewer, the small trace is most of the whole)
 
@@ -47,9 +55,10 @@ class NotStampable(Exception):
     """The trace does not split into alike layers: trace the model whole."""
 
 
-def stamp(model: nn.Module, trace_small: Callable[[], TrainGraph]) -> TrainGraph:
+def stamp(model: nn.Module, trace_small: Callable[[], TrainGraph]) -> Stamper:
     """The whole model's step from `trace_small()` (the same trace, made while the model runs only the layers
-    `Picked.traced`); NotStampable, with why, when the model must be traced whole."""
+    `Picked.traced`): its graph and plans (`Stamper`); NotStampable, with why, when the model must be traced
+    whole."""
     prepare(model)  # the layer marks are numbered by the whole list, before it is cut
     layers = decoder_layers(model)
     picked = layers.__dict__.get("_remat_picked")  # a model's layers are fixed once built: picked once per model
@@ -67,13 +76,15 @@ def stamp(model: nn.Module, trace_small: Callable[[], TrainGraph]) -> TrainGraph
 
 
 def _stamped(model: nn.Module, layers: nn.ModuleList, picked: Picked,
-             trace_small: Callable[[], TrainGraph]) -> TrainGraph:
+             trace_small: Callable[[], TrainGraph]) -> Stamper:
     with _only_layers(model, layers, picked.traced):
         try:
             small = trace_small()
         except (KeyError, IndexError) as e:  # a model that keeps tables by layer (Zamba2's) runs no cut list
             raise NotStampable(f"layers {list(picked.traced)} do not run alone: {type(e).__name__} {e}") from e
-    return _Stamper(small, _qualified_name(model, layers), picked, StepInputs.of(model)).graph()
+    stamper = Stamper(small, Numbering(_qualified_name(model, layers)), picked, StepInputs.of(model))
+    stamper.walked  # noqa: B018 - the last checks: NotStampable here, not later
+    return stamper
 
 
 # ---------------------------------------------------------------------------------------------- picking
@@ -239,6 +250,10 @@ def _segments(tg: TrainGraph, numbering: Numbering, picked: Picked) -> Segments:
         if layer is not None:
             label[p] = picked.traced.index(layer)
     place.update((n, ("F", k)) for n in forward[k])
+    for n in tg.graph.nodes:  # a recompute clone belongs to the layer whose backward reads it
+        if CLONE_FOR in n.meta:
+            layer = n.meta[CLONE_FOR]
+            label[n] = k if layer is None else picked.traced.index(layer)
     nodes, starts = backward_starts(tg, label, k, "the backward does not run layer by layer")
     backward = [nodes[starts[k - 1 - j]:(starts[k - j] if j else len(nodes))] for j in range(k)] + [nodes[:starts[0]]]
     place.update((n, ("B", j)) for j, seg in enumerate(backward) for n in seg)
@@ -246,7 +261,7 @@ def _segments(tg: TrainGraph, numbering: Numbering, picked: Picked) -> Segments:
                       for a in x.all_input_nodes if a in place and abs(place[a][1] - place[x][1]) == 1}
     passed = {(kind, j): [n for n in seg if n in read_next_door]
               for kind, segs in (("F", forward), ("B", backward)) for j, seg in enumerate(segs)}
-    passed["F", 0] = forward[0][-1:]  # the rest of the first layer's forward is shared (see `_Stamper._role`)
+    passed["F", 0] = forward[0][-1:]  # the rest of the first layer's forward is shared (see `Stamper._role`)
     return Segments(forward, backward, place, passed)
 
 
@@ -259,8 +274,9 @@ def backward_starts(tg: TrainGraph, label: dict[fx.Node, int], count: int, refus
     first: dict[int, int] = {}
     for at, n in enumerate(nodes):
         reads = [label[a] for a in n.all_input_nodes if a in label]
-        if reads:
+        if n not in label and reads:
             label[n] = min(reads)
+        if n in label:
             first.setdefault(label[n], at)
     starts = [first.get(i, -1) for i in range(count - 1, -1, -1)]
     if sorted(starts) != starts or starts[0] < 0:
@@ -287,14 +303,14 @@ class Numbering:
 # ---------------------------------------------------------------------------------------------- stamping
 
 
-class _Stamper:
-    """The small trace split by place, each type's two layers checked alike, and the whole graph built from it:
-    every layer of the model from its source place (`graph`)."""
+class Stamper:
+    """The small trace split by place, each type's two layers checked alike, and the whole step made from it,
+    every layer of the model from its source place: its graph (`graph`), or only its plan (`plan`)."""
 
-    def __init__(self, small: TrainGraph, prefix: str, picked: Picked, full: StepInputs):
+    def __init__(self, small: TrainGraph, numbering: Numbering, picked: Picked, full: StepInputs):
         self.small, self.picked, self.n, self.full = small, picked, picked.n, full
         self.name_of = dict(zip(small.placeholders(), small.names))
-        self.numbering = Numbering(prefix)
+        self.numbering = numbering
         self.seg = _segments(small, self.numbering, picked)
         self.index = {node: i for seg in [*self.seg.forward, *self.seg.backward] for i, node in enumerate(seg)}
         self.rank = {node: i for seg in self.seg.passed.values() for i, node in enumerate(seg)}
@@ -352,13 +368,36 @@ class _Stamper:
                                                                                 env=env, places=places))
             if node.target is MARK_OP and layer_index(node) is not None:
                 copied.args = (copied.args[0], f"{LAYER_MARK}.{layer}")
-        out_small = next(x for x in small.graph.nodes if x.op == "output")
-        new.output(self._outputs(out_small, env))
+        new.output(self._outputs(self._output(), env))
         self._values(new, order, env)
         gm = _LazyGraphModule(small.gm, new)  # its code is made on its first call: a plan never pays for it
         boundary = env[small.boundary, p.layer(self.seg.place[small.boundary][1])]
         return TrainGraph(gm=gm, roles=self._roles_full(), names=self._names_full(), boundary=boundary,
                           info=small.info)
+
+    def plan(self, policy: Policy | None = None) -> Plan:
+        """`plan(rewrite(self.graph(), policy))` (None: `plan(self.graph())`), to the byte, without making the
+        whole graph: the small trace rewritten, then stamped as the planner sees it (`plan.Storages`).
+        NotStampable where the rewritten trace does not stamp. Only for a policy that treats every layer alike
+        (every:K keeps a layer's mark by its number, so the layer copied does not stand for every other)."""
+        if policy is not None:
+            return Stamper(Rewriter(self.small)(policy), self.numbering, self.picked, self.full).plan()
+        inputs = list(zip(self._roles_full(), self._input_values().values()))
+        return planned(inputs, *self.walked, self.small.info)
+
+    @functools.cached_property
+    def walked(self) -> tuple[int, Order]:
+        """The whole step as the planner sees it: the bytes of the grads it makes, and its node order. Walking
+        it reads every value as `graph` does: the last check that the model stamps (`_read`, `_outputs`)."""
+        made = Storages(functools.cache(sized_storages))
+        places = {name: made.input(("input", name)) for name in self._names_full()}
+        env: dict[tuple[fx.Node, int], int] = {}  # (small node, the model's layer it stands for) -> its position
+        copied = [not self.picked.itself(place) for place in range(self.picked.head + 1)]
+        for node, layer in self._order():
+            read = functools.partial(self._read, layer=layer, reader=node, env=env, places=places)
+            env[node, layer] = made.copy(node, read, new=copied[self.seg.place[node][1]])
+        made.output(list(self._outputs(self._output(), env)))
+        return made.made_grads(), made.order()
 
     def _order(self) -> list[tuple[fx.Node, int]]:
         """Every node of the whole graph (placeholders aside) as (the small node it copies, its layer), in the
@@ -367,7 +406,7 @@ class _Stamper:
         return [*((x, i) for i in range(n + 1) for x in s.forward[p.source_of(i)]),
                 *((x, i) for i in range(n, -1, -1) for x in s.backward[p.source_of(i)])]
 
-    def _read(self, arg: fx.Node, *, layer: int, reader: fx.Node, env: dict, places: dict[str, fx.Node]) -> fx.Node:
+    def _read(self, arg: fx.Node, *, layer: int, reader: fx.Node, env: dict, places: dict[str, Any]) -> Any:
         """The new node that `reader`, standing for `layer`, reads for the small-trace node `arg`."""
         p = self.picked
         at_reader = self.seg.place[reader][1]
@@ -410,17 +449,24 @@ class _Stamper:
         return (["trainable"] * len(f.trainable) + ["frozen"] * len(f.frozen) + ["buffer"] * len(f.buffers)
                 + self.small.roles[len(self.small.roles) - self._n_inputs():])
 
-    def _placeholders(self, new: fx.Graph) -> dict[str, fx.Node]:
+    def _input_values(self) -> dict[str, object]:
+        """The whole step's inputs by name: the model's tensors, then the small trace's own inputs."""
         small_vals = {name: p.meta["val"] for p, name in zip(self.small.placeholders(), self.small.names)}
-        mode = next(v.fake_mode for v in small_vals.values() if isinstance(v, FakeTensor))
         tensors = {**self.full.trainable, **self.full.frozen, **self.full.buffers}
+        return {name: tensors.get(name, small_vals.get(name)) for name in self._names_full()}
+
+    def _placeholders(self, new: fx.Graph) -> dict[str, fx.Node]:
+        values = self._input_values()
+        mode = next(v.fake_mode for v in values.values() if isinstance(v, FakeTensor))
         places = {}
-        for i, name in enumerate(self._names_full()):
+        for i, (name, t) in enumerate(values.items()):
             p = new.placeholder(f"arg{i}_1")  # make_fx's names
-            t = tensors.get(name)
-            p.meta["val"] = small_vals[name] if t is None else t if isinstance(t, FakeTensor) else mode.from_tensor(t)
+            p.meta["val"] = t if isinstance(t, FakeTensor) or not isinstance(t, torch.Tensor) else mode.from_tensor(t)
             places[name] = p
         return places
+
+    def _output(self) -> fx.Node:
+        return next(x for x in reversed(self.small.graph.nodes) if x.op == "output")
 
     def _outputs(self, out: fx.Node, env: dict) -> tuple:
         results = [r for r in out.args[0] if isinstance(r, fx.Node)]  # type: ignore[union-attr]

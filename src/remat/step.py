@@ -80,7 +80,7 @@ def forget_graphs(model: nn.Module) -> None:
     and one whose graph is needed again (a budget search, a policy not planned yet) is traced again. A server
     plans each new shape a client asks for; kept, each one's graphs held 25 MiB and 150,000 objects (SmolLM2
     with LoRA), which every full collection then walks: 0.4 s after five shapes, 0.7 s after twelve."""
-    for kind in ("_remat_graphs", "_remat_rewriters"):
+    for kind in ("_remat_graphs", "_remat_rewriters", "_remat_stamps"):
         model.__dict__.pop(kind, None)
 
 
@@ -96,23 +96,37 @@ def _trace(model: nn.Module, shape: StepShape) -> TrainGraph:
         assert shape.ubatch is not None
         return walk.capture_chunk(model, shape.batch, shape.ctx, shape.ubatch, loss_chunk=shape.loss_chunk,
                                   exact=shape.walk != "truncated")
+    stamper = _stamper(model, shape)
+    return stamper.graph() if stamper is not None else _traced(model, shape)
+
+
+def _traced(model: nn.Module, shape: StepShape) -> TrainGraph:
+    """The step traced whole; on fake weights (only planned, never run) with its loss's pieces stamped."""
     ids = torch.zeros(shape.batch, shape.ctx, dtype=torch.long)
 
     def whole() -> TrainGraph:
         return capture(model, ids, ids.clone(), loss_chunk=shape.loss_chunk)  # two tensors: two inputs
 
-    if not any(isinstance(p, FakeTensor) for p in model.parameters()):
-        return whole()
-
-    def loss_pieces_stamped() -> TrainGraph:
+    if _planning(model):
         with contextlib.suppress(stamp.NotStampable):
             return pieces.stamp(whole, shape.ctx, shape.loss_chunk)
-        return whole()
+    return whole()
 
-    # only planned, never run: stamp its layers and its loss's pieces
-    with contextlib.suppress(stamp.NotStampable):
-        return stamp.stamp(model, loss_pieces_stamped)
-    return loss_pieces_stamped()
+
+def _stamper(model: nn.Module, shape: StepShape) -> stamp.Stamper | None:
+    """The step of a planning model (fake weights) stamped from a few of its layers' trace (`remat.stamp`),
+    made once per shape; None where it is traced whole (a walk; a model whose layers do not stamp)."""
+    made = _cache(model, shape, "_remat_stamps")
+    if "stamper" not in made:
+        made["stamper"] = None
+        if shape.path != "walk" and _planning(model):
+            with contextlib.suppress(stamp.NotStampable):
+                made["stamper"] = stamp.stamp(model, lambda: _traced(model, shape))
+    return made["stamper"]
+
+
+def _planning(model: nn.Module) -> bool:
+    return any(isinstance(p, FakeTensor) for p in model.parameters())
 
 
 @collector.paused
@@ -128,11 +142,24 @@ def _plan(model: nn.Module, shape: StepShape, policy: str) -> Plan:
     made = _cache(model, shape, "_remat_plans")
     key = name, world_size()
     if key not in made:
-        chosen = None if name in _cache(model, shape) else policies.parse(name)
-        # off, or a graph already made; else a rewrite planned without making it
-        made[key] = plan(build(model, shape, name)) if chosen is None else _rewriter(model, shape).plan(chosen)
+        made[key] = _planned(model, shape, name)
     return dataclasses.replace(made[key])
 
+
+def _planned(model: nn.Module, shape: StepShape, name: str) -> Plan:
+    if name in _cache(model, shape):  # a graph already made
+        return plan(build(model, shape, name))
+    chosen = policies.parse(name)
+    stamper = _stamper(model, shape) if name in LAYERS_ALIKE else None
+    if stamper is not None:  # planned from the few layers traced, rewritten: no graph of the whole step
+        with contextlib.suppress(stamp.NotStampable):
+            return stamper.plan(chosen)
+    # off; else a rewrite planned without making it
+    return plan(build(model, shape, name)) if chosen is None else _rewriter(model, shape).plan(chosen)
+
+
+# The policies that save alike in every layer: a stamped step's plans under them are stamped too (`_planned`).
+LAYERS_ALIKE = ("off", "dots", "on")
 
 # From most memory (fastest) to least; each saves a subset of what the one before it saves. every:K recomputes
 # the marks between its kept ones as second-level checkpoints, and each layer from the mark below (Chen et al.),
