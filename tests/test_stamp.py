@@ -10,12 +10,13 @@ import torch
 from torch import fx
 
 import conformance as C
-from remat import models, pieces, policies, stamp
+from remat import models, pieces, policies, stamp, step
 from remat.capture import EagerStridesFakeMode, capture
 from remat.graph import TrainGraph, tensors_in
 from remat.hf import UnsupportedModel
 from remat.plan import plan
 from remat.recompute import LAYER, Rewriter
+from remat.settings import TrainSettings
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -178,3 +179,30 @@ def test_the_last_layer_is_its_types_copied_one_unless_no_layer_between_is_of_it
     assert picked.itself(3)
     picked = stamp._pick(["moe"] * 10, last_copied=False)
     assert (picked.traced, picked.alike, picked.source[-1]) == ((0, 1, 2, 9), ((1, 2),), 3)
+
+
+@pytest.mark.parametrize("lora", [True, False])
+def test_a_planning_models_plans_are_stamped_without_its_graph(monkeypatch, lora):
+    """The gate's plans of a model on fake weights (off, dots, on) make no graph of the whole step: stamped
+    from the small trace and its rewrites, they are the plans of the graphs `step.build` makes. every:2 keeps
+    marks by their layer's number, so the layer copied does not stand for the others: it is planned from the
+    whole stamped graph."""
+    s = TrainSettings(model="tiny-llama", ctx=32, batch=1, lora=lora)
+    model = step.planning_model(models.with_layers(models.load_config("tiny-llama"), LAYERS), s)
+    shape = step.StepShape.of(s)
+    graphs = []
+    whole_graph = stamp.Stamper.graph
+
+    def counted(self: stamp.Stamper) -> TrainGraph:
+        graphs.append(whole_graph(self))
+        return graphs[-1]
+
+    monkeypatch.setattr(stamp.Stamper, "graph", counted)
+    stamped = step.plans(model, shape, step.LAYERS_ALIKE)
+    assert graphs == []
+    every = step.plans(model, shape, ("every:2",))
+    assert len(graphs) == 1
+    monkeypatch.undo()
+    assert stamped == {k: plan(step.build(model, shape, k)) for k in stamped}
+    assert every["every:2"] == plan(step.build(model, shape, "every:2"))
+    assert stamped["on"].graph < stamped["off"].graph  # the rewrite was planned, not the step again
