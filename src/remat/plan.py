@@ -275,7 +275,7 @@ class Storages:
     original's storages, or new ones of the same sizes (`new`: a value made again by the same op); where the
     original holds an input's storage (a view, an in-place write), the copy holds that input's copy's instead."""
 
-    def __init__(self, storages: Callable[[fx.Node], Sequence[tuple[Hashable, int]]]):
+    def __init__(self, storages: Callable[[fx.Node], Sequence[tuple[Hashable, int]]], templates: dict | None = None):
         self.storages = storages  # an original node's, in the order its value holds them
         self.held: list[list[tuple[Hashable, int]]] = []
         self.last_read: list[int] = []
@@ -283,7 +283,7 @@ class Storages:
         self.inputs: set[Hashable] = set()
         self.grads: list[tuple[Hashable, int]] = []  # what the step's outputs after the loss hold
         self.outputs: set[Hashable] = set()
-        self.templates: dict[fx.Node, tuple[list[tuple[Hashable, int, int, int]], int]] = {}  # see `_template`
+        self.templates = {} if templates is None else templates  # see `_template`; shared by walks of one step
 
     def input(self, key: Hashable) -> int:
         """A placeholder of its own (not an original's copy): its one storage is `key`."""

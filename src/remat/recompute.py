@@ -111,6 +111,7 @@ class Rewriter:
         self.region = regions(self.forward)
         self.values: dict[tuple, tuple[list, object]] = {}  # (what, input value ids) -> (inputs, value)
         self.storages = functools.cache(sized_storages)  # each original's, for plans made without a graph
+        self.templates: dict = {}  # `plan.Storages._template`s, shared by those plans
 
     def __call__(self, policy: Policy = LAYER, kept: dict[fx.Node, str] | None = None) -> TrainGraph:
         """The step rewritten under `policy`; `kept`, when given, is its `keep_reasons`."""
@@ -127,7 +128,7 @@ class Rewriter:
 
     def plan(self, policy: Policy, kept: dict[fx.Node, str] | None = None) -> Plan:
         """`plan(self(policy, kept))`, to the byte, without making the graph: a budget search's probe."""
-        made = Storages(self.storages)
+        made = Storages(self.storages, self.templates)
         self._copy(keep_reasons(self.tg, policy) if kept is None else kept, made)
         return plan(self.tg, made.order())
 

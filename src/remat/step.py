@@ -53,7 +53,7 @@ def build(model: nn.Module, shape: StepShape, policy: str | bool) -> TrainGraph:
     name = policy_name(policy)
     cache = _cache(model, shape)
     if name not in cache:
-        chosen = policies.parse(name)
+        chosen = _cache(model, shape, "_remat_saved_back").get(name) or policies.parse(name)
         cache[name] = _trace(model, shape) if chosen is None else _rewriter(model, shape)(chosen)
     return cache[name]
 
@@ -242,15 +242,18 @@ def _save_back(model: nn.Module, shape: StepShape, budget: int, faster: str, fit
         chosen = policies.Policy(f"{fitting}+{k}", lambda n: fit.saves(n) or n.name in names)
         return chosen, kept | dict.fromkeys(extra[:k], chosen.name)  # what keep_reasons would keep
 
+    probed: dict[int, Plan] = {}
+
     def probe(k: int) -> int:  # planned without making the graph: most of a rewrite's time is making it
-        return rewriter.plan(*saving(k)).total
+        probed[k] = rewriter.plan(*saving(k))
+        return probed[k].total
 
     k = _most_that_fit(list(itertools.accumulate(map(_nbytes, extra), initial=0)), probe, budget, fitting_plan.total)
     if k == 0:
         return None
-    graph = rewriter(*saving(k))
-    _cache(model, shape)[graph.info["recompute"]] = graph  # so that `build` finds the chosen one
-    return graph.info["recompute"], plan(graph)
+    chosen = saving(k)[0]
+    _cache(model, shape, "_remat_saved_back")[chosen.name] = chosen  # `build` makes its graph if it runs
+    return chosen.name, probed[k]
 
 
 def _most_that_fit(saved: list[int], probe: Callable[[int], int], budget: int, start: int) -> int:
