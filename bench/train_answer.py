@@ -10,7 +10,8 @@ running at once, idle but for this, and waits `--settle` seconds once both are u
 `POST /train/plan` (what `POST /train` answers, less the queued job: the same validation, plan and gate) in
 turn, the order alternating from one request to the next: first a job of the server's defaults (what the
 web page sends), then a new window size for both each time, LoRA (the server's default) and full
-fine-tuning, then shapes asked before (a server keeps its plans by shape).
+fine-tuning, then LoRA with a budget between the on and off plans (the gate searches what to save back),
+then shapes asked before (a server keeps its plans by shape).
 A request's seconds are the client's, from sending to the whole answer read. Both answers are 200 with the
 same plans, policy and steps (the budget is the free memory of the moment). Writes results.json,
 results.md and results.png into --out (default bench/results/train_answer).
@@ -35,6 +36,8 @@ ROOT = Path(__file__).resolve().parent.parent
 NEW_LORA = [320, 384, 448, 512, 640, 768, 1024, 1536, 2048]  # ctx: each new to the server when asked
 NEW_FULL = [288, 576, 1152]
 REPEATED = [256, 512, 2048]  # asked again, LoRA
+NEW_TIGHT = [264, 272, 280]  # LoRA, each new, with a budget between its on and off plans: a save-back search
+BETWEEN = "between"  # the budget halfway between the on and off plans of the first job (ctx 256, LoRA)
 TARGET_S = 1.0  # "about a second"
 
 
@@ -43,6 +46,8 @@ def requests() -> list[tuple[str, dict]]:
     return ([("the server's default job, first asked", {})]  # ctx 256, LoRA: the web page's
             + [("new shape, LoRA", {"ctx": c}) for c in NEW_LORA]
             + [("new shape, full", {"ctx": c, "lora": False}) for c in NEW_FULL]
+            + [("new shape, LoRA, a budget between on and off", {"ctx": c, "memory_budget": BETWEEN})
+               for c in NEW_TIGHT]
             + [("repeated shape, LoRA", {"ctx": c}) for c in REPEATED])
 
 
@@ -53,13 +58,17 @@ def ask(client: Client, body: dict) -> tuple[float, int, object]:
 
 
 def measure(clients: dict[str, Client], records: list[dict]) -> list[dict]:
-    rows = []
-    for i, (kind, settings) in enumerate(requests()):
+    rows, between = [], None
+    for i, (kind, asked) in enumerate(requests()):
+        settings = {**asked, "memory_budget": between} if asked.get("memory_budget") == BETWEEN else asked
         order = list(clients) if i % 2 == 0 else list(reversed(clients))
         answers = {side: ask(clients[side], {"data": records, **settings}) for side in order}
         for side, (_, status, answer) in answers.items():
             if status != 200:
                 raise SystemExit(f"train_answer: {side} answered {status} to {settings}: {answer}")
+        if between is None:  # the first job's plans: a few tokens longer, on still fits and off does not
+            plans = answers["after"][2]["plans"]
+            between = (plans["on"]["total"] + plans["off"]["total"]) // 2
         same = all(answers["before"][2][k] == answers["after"][2][k] for k in ("plans", "policy", "steps"))
         rows.append({"kind": kind, **settings, "first": order[0], "same_answer": same,
                      **{side: answers[side][0] for side in clients}})
