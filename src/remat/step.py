@@ -50,29 +50,41 @@ def build(model: nn.Module, shape: StepShape, policy: str | bool) -> TrainGraph:
     `choose` made and cached); True means "on", False "off". The cache lives on the model: an epoch,
     every chunk of a walk, and the plans of every policy reuse one trace.
     """
+    return _build(_Step.of(model, shape), policy)
+
+
+@dataclass(frozen=True)
+class _Step:
+    """A model's step of one shape, and what is cached for it on the model (`cache`): keyed by the shape and
+    the names of the parameters it trains, worked out once per call (a walk over every module)."""
+
+    model: nn.Module
+    shape: StepShape
+    key: tuple
+
+    @classmethod
+    def of(cls, model: nn.Module, shape: StepShape) -> _Step:
+        return cls(model, shape, (shape, tuple(n for n, p in model.named_parameters() if p.requires_grad)))
+
+    def cache(self, kind: str) -> dict:
+        return self.model.__dict__.setdefault(kind, {}).setdefault(self.key, {})
+
+
+def _build(at: _Step, policy: str | bool) -> TrainGraph:
     name = policy_name(policy)
-    cache = _cache(model, shape)
-    if name not in cache:
-        chosen = _cache(model, shape, "_remat_saved_back").get(name) or policies.parse(name)
-        cache[name] = _trace(model, shape) if chosen is None else _rewriter(model, shape)(chosen)
-    return cache[name]
+    graphs = at.cache("_remat_graphs")
+    if name not in graphs:
+        chosen = at.cache("_remat_saved_back").get(name) or policies.parse(name)
+        graphs[name] = _trace(at) if chosen is None else _rewriter(at)(chosen)
+    return graphs[name]
 
 
-def _key(model: nn.Module, shape: StepShape) -> tuple:
-    return shape, tuple(n for n, p in model.named_parameters() if p.requires_grad)
-
-
-def _cache(model: nn.Module, shape: StepShape, kind: str = "_remat_graphs") -> dict:
-    return model.__dict__.setdefault(kind, {}).setdefault(_key(model, shape), {})
-
-
-def _rewriter(model: nn.Module, shape: StepShape) -> Rewriter:
+def _rewriter(at: _Step) -> Rewriter:
     """The rewriter of the traced step: every policy's rewrite, and each probe of a budget search, shares it."""
-    rewriters = model.__dict__.setdefault("_remat_rewriters", {})
-    key = _key(model, shape)
-    if key not in rewriters:
-        rewriters[key] = Rewriter(build(model, shape, "off"))
-    return rewriters[key]
+    made = at.cache("_remat_rewriters")
+    if "rewriter" not in made:
+        made["rewriter"] = Rewriter(_build(at, "off"))
+    return made["rewriter"]
 
 
 def forget_graphs(model: nn.Module) -> None:
@@ -91,12 +103,13 @@ def policy_name(policy: str | bool) -> str:
     return "on" if policy == "layer" else policy
 
 
-def _trace(model: nn.Module, shape: StepShape) -> TrainGraph:
+def _trace(at: _Step) -> TrainGraph:
+    model, shape = at.model, at.shape
     if shape.path == "walk":
         assert shape.ubatch is not None
         return walk.capture_chunk(model, shape.batch, shape.ctx, shape.ubatch, loss_chunk=shape.loss_chunk,
                                   exact=shape.walk != "truncated")
-    stamper = _stamper(model, shape)
+    stamper = _stamper(at)
     return stamper.graph() if stamper is not None else _traced(model, shape)
 
 
@@ -113,15 +126,15 @@ def _traced(model: nn.Module, shape: StepShape) -> TrainGraph:
     return whole()
 
 
-def _stamper(model: nn.Module, shape: StepShape) -> stamp.Stamper | None:
+def _stamper(at: _Step) -> stamp.Stamper | None:
     """The step of a planning model (fake weights) stamped from a few of its layers' trace (`remat.stamp`),
     made once per shape; None where it is traced whole (a walk; a model whose layers do not stamp)."""
-    made = _cache(model, shape, "_remat_stamps")
+    made = at.cache("_remat_stamps")
     if "stamper" not in made:
         made["stamper"] = None
-        if shape.path != "walk" and _planning(model):
+        if at.shape.path != "walk" and _planning(at.model):
             with contextlib.suppress(stamp.NotStampable):
-                made["stamper"] = stamp.stamp(model, lambda: _traced(model, shape))
+                made["stamper"] = stamp.stamp(at.model, lambda: _traced(at.model, at.shape))
     return made["stamper"]
 
 
@@ -132,30 +145,31 @@ def _planning(model: nn.Module) -> bool:
 @collector.paused
 def plans(model: nn.Module, shape: StepShape, which: tuple[str, ...] = ("off", "on")) -> dict[str, Plan]:
     """The memory plan of the step under each policy named (off, on, layer, dots, every:K)."""
-    return {k: _plan(model, shape, k) for k in which}
+    at = _Step.of(model, shape)
+    return {k: _plan(at, k) for k in which}
 
 
-def _plan(model: nn.Module, shape: StepShape, policy: str) -> Plan:
+def _plan(at: _Step, policy: str) -> Plan:
     """`plan(build(model, shape, policy))`, made once per rank count (the optimizer's share); a rewrite not made
     yet is planned without making it. A copy: the trainer fills in what it measures."""
     name = policy_name(policy)
-    made = _cache(model, shape, "_remat_plans")
+    made = at.cache("_remat_plans")
     key = name, world_size()
     if key not in made:
-        made[key] = _planned(model, shape, name)
+        made[key] = _planned(at, name)
     return dataclasses.replace(made[key])
 
 
-def _planned(model: nn.Module, shape: StepShape, name: str) -> Plan:
-    if name in _cache(model, shape):  # a graph already made
-        return plan(build(model, shape, name))
+def _planned(at: _Step, name: str) -> Plan:
+    if name in at.cache("_remat_graphs"):  # a graph already made
+        return plan(_build(at, name))
     chosen = policies.parse(name)
-    stamper = _stamper(model, shape) if name in LAYERS_ALIKE else None
+    stamper = _stamper(at) if name in LAYERS_ALIKE else None
     if stamper is not None:  # planned from the few layers traced, rewritten: no graph of the whole step
         with contextlib.suppress(stamp.NotStampable):
             return stamper.plan(chosen)
     # off; else a rewrite planned without making it
-    return plan(build(model, shape, name)) if chosen is None else _rewriter(model, shape).plan(chosen)
+    return plan(_build(at, name)) if chosen is None else _rewriter(at).plan(chosen)
 
 
 # The policies that save alike in every layer: a stamped step's plans under them are stamped too (`_planned`).
@@ -190,33 +204,34 @@ def choose(model: nn.Module, shape: StepShape, recompute: str, budget: int) -> C
     what the next faster one saves (for dots: off, everything), the values most expensive to recompute
     per byte first (FLOPs, `policies.recompute_cost`), while the plan still fits.
     """
-    choice = _choose(model, shape, recompute, budget)
+    at = _Step.of(model, shape)
+    choice = _choose(at, recompute, budget)
     for name in ("off", "on"):  # shown beside the choice: what recompute saves (or costs) on this job
-        choice.plans.setdefault(name, _plan(model, shape, name))
+        choice.plans.setdefault(name, _plan(at, name))
     return choice
 
 
-def _choose(model: nn.Module, shape: StepShape, recompute: str, budget: int) -> Choice:
+def _choose(at: _Step, recompute: str, budget: int) -> Choice:
     if recompute not in ("auto", "budget"):
         name = policy_name(recompute)
-        named = plans(model, shape, (name,))
+        named = {name: _plan(at, name)}
         if named[name].total <= budget:
             return Choice(name, f"plan {mib(named[name].total)} fits the budget {mib(budget)}", named)
-        _refuse(model, shape, budget, named)
+        _refuse(at, budget, named)
     ladder = LADDER if recompute == "auto" else LADDER[1:]
     found: dict[str, Plan] = {}
     for name in ladder:
-        found[name] = _plan(model, shape, name)
+        found[name] = _plan(at, name)
         if found[name].total <= budget:
             break
     else:
-        _refuse(model, shape, budget, found)
+        _refuse(at, budget, found)
     if name == "off":
         return Choice(name, f"recompute not needed: plan {mib(found[name].total)} fits the budget {mib(budget)}",
                       found)
     over = [k for k in ladder if k != name and k in found]  # the faster built-ins: none fits
     faster = LADDER[LADDER.index(name) - 1]  # the next faster one: over the budget, or off (budget mode: untried)
-    refined = _save_back(model, shape, budget, faster, name, found[name])
+    refined = _save_back(at, budget, faster, name, found[name])
     if refined is not None:
         name, found[name] = refined
     if not over:
@@ -225,11 +240,10 @@ def _choose(model: nn.Module, shape: StepShape, recompute: str, budget: int) -> 
     return Choice(name, f"{figures}: over the budget {mib(budget)}; {name} plans {mib(found[name].total)}", found)
 
 
-def _save_back(model: nn.Module, shape: StepShape, budget: int, faster: str, fitting: str,
-               fitting_plan: Plan) -> tuple[str, Plan] | None:
+def _save_back(at: _Step, budget: int, faster: str, fitting: str, fitting_plan: Plan) -> tuple[str, Plan] | None:
     """Between two ladder rungs: save the fitting rung's set plus the values the faster one saves (off: every
     one the backward reads), the costliest to recompute per byte first, as many as fit."""
-    rewriter = _rewriter(model, shape)
+    rewriter = _rewriter(at)
     fit = policies.parse(fitting)
     fast = policies.parse(faster) or policies.Policy("off", lambda n: True)
     assert fit is not None
@@ -252,7 +266,7 @@ def _save_back(model: nn.Module, shape: StepShape, budget: int, faster: str, fit
     if k == 0:
         return None
     chosen = saving(k)[0]
-    _cache(model, shape, "_remat_saved_back")[chosen.name] = chosen  # `build` makes its graph if it runs
+    at.cache("_remat_saved_back")[chosen.name] = chosen  # `build` makes its graph if it runs
     return chosen.name, probed[k]
 
 
@@ -297,9 +311,9 @@ def _nbytes(n) -> int:
     return val.numel() * val.element_size() if isinstance(val, torch.Tensor) else 0
 
 
-def _refuse(model: nn.Module, shape: StepShape, budget: int, found: dict[str, Plan]) -> None:
+def _refuse(at: _Step, budget: int, found: dict[str, Plan]) -> None:
     for name in LADDER:
-        found.setdefault(name, _plan(model, shape, name))
+        found.setdefault(name, _plan(at, name))
     smallest = min(found, key=lambda k: found[k].total)
     figures = ", ".join(f"recompute {k}: {mib(p.total)} (graph {mib(p.graph)})" for k, p in found.items())
     fixed = found[smallest].total - found[smallest].graph - found[smallest].cache
