@@ -183,7 +183,7 @@ def reference(name: str) -> transformers.PreTrainedModel:
     """The model as transformers builds it by default, its experts (mixture of experts) run by transformers'
     "batched_mm" as remat runs them (`hf.EXPERTS`): the default "grouped_mm" sums in another order, a rounding
     difference between transformers' own kernels (1.2e-5 relative on a DeepSeek-V4 gradient), not remat's."""
-    from remat.hf import EXPERTS
+    from remat.models.hf import EXPERTS
 
     model = build(name, attn=None)
     if model._can_set_experts_implementation():
@@ -310,7 +310,7 @@ class Report:
 
 
 def _refusal() -> type[Exception]:
-    from remat.hf import UnsupportedModel
+    from remat.models.hf import UnsupportedModel
 
     return UnsupportedModel
 
@@ -328,11 +328,13 @@ def _attempt(report: Report, check: str, fn) -> object:
 @functools.cache
 def check(name: str) -> Report:
     """Run every check of one family: oracle, ubatch (recompute off, on), plan vs measured, walk, LoRA."""
-    from remat import adapters, models, walk
-    from remat.capture import capture
-    from remat.graph import StepInputs
-    from remat.plan import measure, plan
-    from remat.recompute import LAYER, Rewriter
+    from remat.core.capture import capture
+    from remat.core.graph import StepInputs
+    from remat.core.plan import measure, plan
+    from remat.core.recompute import LAYER, Rewriter
+    from remat.models import adapters
+    from remat.models import load as models
+    from remat.training import walk
 
     report = Report(name)
     ids, labels = batch()

@@ -8,11 +8,11 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from remat.capture import capture
-from remat.graph import StepInputs, TrainGraph
-from remat.hf import causal_lm_loss
-from remat.models import LoadedModel, load_model
-from remat.recompute import rewrite
+from remat.core.capture import capture
+from remat.core.graph import StepInputs, TrainGraph
+from remat.core.recompute import rewrite
+from remat.models.hf import causal_lm_loss
+from remat.models.load import LoadedModel, load_model
 
 PRESETS = ("tiny-llama", "tiny-qwen35")
 BATCH, CTX = 2, 64

@@ -25,7 +25,7 @@ from transformers.modeling_gguf_pytorch_utils import (
 from transformers.pytorch_utils import Conv1D
 
 import conformance
-from remat.adapters import (
+from remat.models.adapters import (
     _CONVERTERS,
     AdapterError,
     LoraSettings,
@@ -34,7 +34,7 @@ from remat.adapters import (
     save_adapter,
     write_gguf_adapter,
 )
-from remat.models import build_from_config, default_gguf_path, load_model
+from remat.models.load import build_from_config, default_gguf_path, load_model
 
 SMOL = "smollm2"  # marks the parameter that means the real SmolLM2 GGUF
 
@@ -258,7 +258,7 @@ def to_hf_layout(arch: str, hf_name: str, gguf_name: str, a: np.ndarray, b: np.n
 
 def test_v_head_reorder_matches_the_documented_order():
     # llama.cpp's converter: grouped [K0v0, K0v1, K1v0, K1v1] -> tiled [K0v0, K1v0, K0v1, K1v1].
-    from remat.adapters import _reorder_v_heads
+    from remat.models.adapters import _reorder_v_heads
 
     grouped = np.arange(4).reshape(4, 1)
     assert _reorder_v_heads(grouped, 0, 2, 2, 1).ravel().tolist() == [0, 2, 1, 3]

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from remat.bench import VARIANTS, WALK_VARIANTS, run_bench
+from remat.bench.compare import VARIANTS, WALK_VARIANTS, run_bench
 
 
 @pytest.fixture(scope="module")
@@ -72,7 +72,7 @@ def test_png_written(bench):
 
 
 def test_summary_table(bench, tmp_path):
-    from remat.bench import write_summary
+    from remat.bench.compare import write_summary
 
     out, _ = bench
     (tmp_path / "tiny").mkdir()
@@ -112,7 +112,7 @@ def test_exact_walk_losses_match_window(walk_bench):
 
 
 def test_walk_markdown_and_summary(walk_bench, tmp_path):
-    from remat.bench import markdown, write_outputs, write_summary
+    from remat.bench.compare import markdown, write_outputs, write_summary
 
     text = markdown(walk_bench)
     for name in (*VARIANTS, *WALK_VARIANTS):
@@ -131,13 +131,13 @@ def test_lora_trains_the_adapter_only():
     assert 0 < counts.pop() < result["parameters"]
     by = {v["variant"]: v for v in result["variants"]}
     assert by["remat_on"]["losses"] == by["remat_off"]["losses"]  # the same adapter init
-    from remat.bench import markdown
+    from remat.bench.compare import markdown
 
     assert "LoRA r8" in markdown(result)
 
 
 def test_steps_below_two_refused():
-    from remat.settings import UsageError
+    from remat.base.settings import UsageError
 
     with pytest.raises(UsageError, match="at least 2"):
         run_bench("tiny-llama", ctx=16, steps=1, progress=False)
@@ -162,8 +162,9 @@ def test_process_peak_measures_the_step_not_the_heap_before():
 
     import torch
 
-    from remat import bench, models
-    from remat.plan import return_freed_memory
+    from remat.bench import compare as bench
+    from remat.core.plan import return_freed_memory
+    from remat.models import load as models
 
     return_freed_memory()  # as run_bench does
     base = models.load_model("tiny-llama", seed=0).model

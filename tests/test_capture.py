@@ -1,4 +1,4 @@
-"""remat.capture: a traced train step equals eager autograd, with roles, boundary, marks and strides right."""
+"""remat.core.capture: a traced train step equals eager autograd, with roles, boundary, marks and strides right."""
 
 from __future__ import annotations
 
@@ -10,14 +10,14 @@ from torch import fx
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.multiprocessing.reductions import StorageWeakRef
 
-from remat import capture as cap
-from remat import step
-from remat.capture import EagerStridesFakeMode
-from remat.graph import ROLES, StepInputs, interpret
-from remat.hf import causal_lm_loss
-from remat.models import load_model
-from remat.plan import per_rank, plan
-from remat.settings import TrainSettings
+from remat.base.settings import TrainSettings
+from remat.core import capture as cap
+from remat.core.capture import EagerStridesFakeMode
+from remat.core.graph import ROLES, StepInputs, interpret
+from remat.core.plan import per_rank, plan
+from remat.models.hf import causal_lm_loss
+from remat.models.load import load_model
+from remat.training import step
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

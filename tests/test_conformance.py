@@ -111,10 +111,11 @@ def test_lora_trains(name, known):
 def test_router_aux_loss_is_the_models(name):
     """With output_router_logits the model adds its load-balancing loss: remat's loss includes it, and the
     walk, which sees one chunk's routing at a time, refuses it before training."""
-    from remat import models, walk
-    from remat.capture import capture
-    from remat.graph import StepInputs
-    from remat.hf import UnsupportedModel
+    from remat.core.capture import capture
+    from remat.core.graph import StepInputs
+    from remat.models import load as models
+    from remat.models.hf import UnsupportedModel
+    from remat.training import walk
 
     ids, labels = C.batch()
     reference = C.build(name, attn=None, output_router_logits=True)
@@ -138,9 +139,10 @@ def test_finetune_a_saved_model_folder(name, tmp_path):
     import torch.nn.functional as F
     import transformers
 
-    from remat import data, models
-    from remat.settings import TrainSettings
-    from remat.train import finetune
+    from remat.base.settings import TrainSettings
+    from remat.models import load as models
+    from remat.training import data
+    from remat.training.train import finetune
 
     folder = tmp_path / name
     tokenizer = models.tiny_tokenizer()

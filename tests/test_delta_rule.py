@@ -1,4 +1,4 @@
-"""The gated delta rule as two ops (`remat.delta_rule`): the model's own values and gradients, bitwise; a
+"""The gated delta rule as two ops (`remat.models.delta_rule`): the model's own values and gradients, bitwise; a
 traced step that does not grow with the window; and a planned workspace that is what the op allocates."""
 
 from __future__ import annotations
@@ -9,13 +9,13 @@ import pytest
 import torch
 from transformers.models.qwen3_5 import modeling_qwen3_5
 
-from remat import delta_rule
-from remat.bench import peak_during
-from remat.capture import capture
-from remat.graph import StepInputs
-from remat.hf import causal_lm_loss
-from remat.models import load_model
-from remat.plan import value_bytes
+from remat.bench.compare import peak_during
+from remat.core.capture import capture
+from remat.core.graph import StepInputs
+from remat.core.plan import value_bytes
+from remat.models import delta_rule
+from remat.models.hf import causal_lm_loss
+from remat.models.load import load_model
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

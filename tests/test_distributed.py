@@ -18,8 +18,8 @@ from pathlib import Path
 
 import pytest
 
-from remat.settings import TrainSettings
-from remat.train import finetune
+from remat.base.settings import TrainSettings
+from remat.training.train import finetune
 
 TORCHRUN = str(Path(sys.executable).with_name("torchrun"))
 BASE = {"ctx": 32, "batch": 2, "steps": 3}
@@ -32,8 +32,8 @@ RESUMED = {**BASE, "model": "tiny-llama", "steps": 4, "lora_dropout": 0.1}
 WORKER = """
 import json, sys
 import torch.distributed as dist
-from remat.settings import TrainSettings
-from remat.train import finetune
+from remat.base.settings import TrainSettings
+from remat.training.train import finetune
 
 dist.init_process_group("gloo")  # the caller's group: finetune uses it and leaves it
 cases = json.loads(open(sys.argv[1]).read())

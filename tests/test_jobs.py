@@ -12,10 +12,10 @@ from pathlib import Path
 
 import pytest
 
+from remat.base.settings import Renamed
 from remat.serve.errors import ApiError
 from remat.serve.jobs import JobManager
 from remat.serve.scheduler import Scheduler
-from remat.settings import Renamed
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -281,7 +281,8 @@ def test_a_default_job_is_planned_as_the_manager_starts(tmp_path, monkeypatch):
     """What the first `POST /train` of a job of the server's defaults (the web page's) needs is made as the
     manager starts: its planning model (fake weights, the default LoRA) and the plans of its shape. That
     request traces nothing; a job of another shape traces once, and one with another LoRA gets its own model."""
-    from remat import capture, step
+    from remat.core import capture
+    from remat.training import step
 
     built: list[bool] = []
     make = step.planning_model
@@ -315,9 +316,10 @@ def test_a_lora_made_while_the_server_loads_an_adapter_keeps_its_weights(tmp_pat
     import peft
     from peft.utils.integrations import init_empty_weights
 
-    from remat import models, step
+    from remat.base.settings import TrainSettings
+    from remat.models import load as models
     from remat.serve.engine import Engine
-    from remat.settings import TrainSettings
+    from remat.training import step
 
     engine = Engine("tiny-llama", n_ctx=64, scheduler=Scheduler())
     engine.load()
@@ -431,7 +433,7 @@ def test_a_server_keeps_the_plans_of_the_shapes_it_planned_not_their_graphs(tmp_
 
     from torch import fx
 
-    from remat import capture
+    from remat.core import capture
 
     def live_nodes() -> int:
         gc.collect()

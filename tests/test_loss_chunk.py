@@ -8,14 +8,14 @@ import functools
 import pytest
 import torch
 
-from remat.capture import EagerStridesFakeMode, capture
-from remat.graph import StepInputs, TrainGraph
-from remat.hf import causal_lm_loss
-from remat.models import build_from_config, load_config, load_model
-from remat.plan import live_at_peak, measure, plan
-from remat.recompute import rewrite
-from remat.settings import TrainSettings
-from remat.step import plan_settings
+from remat.base.settings import TrainSettings
+from remat.core.capture import EagerStridesFakeMode, capture
+from remat.core.graph import StepInputs, TrainGraph
+from remat.core.plan import live_at_peak, measure, plan
+from remat.core.recompute import rewrite
+from remat.models.hf import causal_lm_loss
+from remat.models.load import build_from_config, load_config, load_model
+from remat.training.step import plan_settings
 
 TINY = ("tiny-llama", "tiny-qwen35")
 BATCH, CTX, CHUNK = 2, 64, 16

@@ -1,4 +1,4 @@
-"""remat.models: the embedded GGUF, safetensors folders, presets, the tiny tokenizer and bad input."""
+"""remat.models.load: the embedded GGUF, safetensors folders, presets, the tiny tokenizer and bad input."""
 
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ import pytest
 import torch
 import transformers
 
-from remat import models
-from remat.models import ModelError, build_from_config, load_config, load_model
+from remat.models import load as models
+from remat.models.load import ModelError, build_from_config, load_config, load_model
 
 
 @pytest.fixture(scope="module", autouse=True)

@@ -1,4 +1,4 @@
-"""remat.plan: the planner's bytes, by hand, against a measured run, and per category."""
+"""remat.core.plan: the planner's bytes, by hand, against a measured run, and per category."""
 
 from __future__ import annotations
 
@@ -6,8 +6,8 @@ import pytest
 import torch
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from remat.graph import TrainGraph
-from remat.plan import graph_peak, measure, plan
+from remat.core.graph import TrainGraph
+from remat.core.plan import graph_peak, measure, plan
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

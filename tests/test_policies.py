@@ -18,11 +18,13 @@ from collections import Counter
 import pytest
 import torch
 
-from remat import models, policies, step
-from remat.marks import mark_name
-from remat.plan import measure, mib, plan
-from remat.recompute import CLONE_OF, Rewriter, keep_reasons, must_keep, rewrite, saved_nodes
-from remat.settings import GateRefused, TrainSettings
+from remat.base.settings import GateRefused, TrainSettings
+from remat.core import policies
+from remat.core.marks import mark_name
+from remat.core.plan import measure, mib, plan
+from remat.core.recompute import CLONE_OF, Rewriter, keep_reasons, must_keep, rewrite, saved_nodes
+from remat.models import load as models
+from remat.training import step
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -3,11 +3,11 @@
 import pytest
 import torch
 
-from remat.capture import capture
-from remat.graph import StepInputs
-from remat.models import load_model
-from remat.plan import preflight
-from remat.settings import GateRefused
+from remat.base.settings import GateRefused
+from remat.core.capture import capture
+from remat.core.graph import StepInputs
+from remat.core.plan import preflight
+from remat.models.load import load_model
 
 lib = torch.library.Library("remat_test", "DEF")
 lib.define("cuda_only(Tensor x) -> Tensor")

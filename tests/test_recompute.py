@@ -1,4 +1,4 @@
-"""remat.recompute: the rewrite keeps what it must, recomputes the rest, and changes no bit of the step."""
+"""remat.core.recompute: the rewrite keeps what it must, recomputes the rest, and changes no bit of the step."""
 
 from __future__ import annotations
 
@@ -9,10 +9,10 @@ import torch
 from torch import fx
 from torch.fx.experimental.proxy_tensor import get_proxy_mode, make_fx
 
-import remat.recompute as rr
-from remat.graph import TrainGraph
-from remat.marks import MARK_OP, mark_name
-from remat.recompute import CLONE_OF, explain, keep_reasons, rewrite, saved_nodes, verify
+import remat.core.recompute as rr
+from remat.core.graph import TrainGraph
+from remat.core.marks import MARK_OP, mark_name
+from remat.core.recompute import CLONE_OF, explain, keep_reasons, rewrite, saved_nodes, verify
 
 aten = torch.ops.aten
 

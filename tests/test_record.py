@@ -1,4 +1,4 @@
-"""The recorder (`remat.record`) keeps the graph make_fx keeps, node for node: the same ops on the same
+"""The recorder (`remat.fastplan.record`) keeps the graph make_fx keeps, node for node: the same ops on the same
 arguments, the same layouts on the same storages, the same forward/backward boundary, on every family of
 the conformance matrix and on the walk's chunk steps. A plan-only step is recorded, the step that runs is
 traced by make_fx: their graphs, and so their plans, must be one."""
@@ -11,11 +11,13 @@ import pytest
 import torch
 
 import conformance as C
-from remat import capture, models, walk
-from remat.capture import EagerStridesFakeMode
-from remat.graph import TrainGraph
-from remat.hf import UnsupportedModel
-from remat.plan import plan
+from remat.core import capture
+from remat.core.capture import EagerStridesFakeMode
+from remat.core.graph import TrainGraph
+from remat.core.plan import plan
+from remat.models import load as models
+from remat.models.hf import UnsupportedModel
+from remat.training import walk
 from test_stamp import _described
 
 pytestmark = pytest.mark.usefixtures("one_thread")

@@ -7,8 +7,8 @@ import time
 
 import pytest
 
+from remat.base.settings import Cancelled
 from remat.serve.scheduler import Scheduler
-from remat.settings import Cancelled
 
 CHUNK = 0.01  # seconds of "training" per chunk
 

@@ -63,7 +63,7 @@ def reference_tokens(prompt: str, n: int, *adapters: tuple[str, float]) -> list[
     """Greedy tokens of the served model in this process, with PEFT adapters (folder, scale) applied."""
     import torch
 
-    from remat.models import load_model
+    from remat.models.load import load_model
 
     key = (prompt, n, adapters)
     if key in _REF:

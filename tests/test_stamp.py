@@ -1,5 +1,5 @@
-"""The stamped step (`remat.stamp`: the first layer and two of each type traced, the second, or the last layer
-where it is of the type, copied for the others; `remat.pieces`: six of the loss's pieces traced, the middle
+"""The stamped step (`remat.fastplan.stamp`: the first layer and two of each type traced, the second, or the last layer
+where it is of the type, copied for the others; `remat.fastplan.pieces`: six of the loss's pieces traced, the middle
 one copied) is the whole trace, node for node, on every family of the conformance matrix whose layers repeat
 (one type, or several for hybrids); the others are traced whole."""
 
@@ -10,13 +10,16 @@ import torch
 from torch import fx
 
 import conformance as C
-from remat import models, pieces, policies, stamp, step
-from remat.capture import EagerStridesFakeMode, capture
-from remat.graph import TrainGraph, tensors_in
-from remat.hf import UnsupportedModel
-from remat.plan import plan
-from remat.recompute import LAYER, Rewriter
-from remat.settings import TrainSettings
+from remat.base.settings import TrainSettings
+from remat.core import policies
+from remat.core.capture import EagerStridesFakeMode, capture
+from remat.core.graph import TrainGraph, tensors_in
+from remat.core.plan import plan
+from remat.core.recompute import LAYER, Rewriter
+from remat.fastplan import pieces, stamp
+from remat.models import load as models
+from remat.models.hf import UnsupportedModel
+from remat.training import step
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from remat.sweep import NAMED, frontier, interpolated, remat_at, run_sweep
+from remat.bench.sweep import NAMED, frontier, interpolated, remat_at, run_sweep
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

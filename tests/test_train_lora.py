@@ -12,9 +12,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from remat import checkpoints
-from remat.settings import TrainSettings
-from remat.train import finetune
+from remat.base.settings import TrainSettings
+from remat.training import checkpoints
+from remat.training.train import finetune
 
 
 def run_tiny(**kw) -> dict:

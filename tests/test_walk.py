@@ -16,15 +16,16 @@ import pytest
 import torch
 
 import conformance
-from remat import alias, walk
-from remat.capture import EagerStridesFakeMode, capture
-from remat.graph import StepInputs, TrainGraph
-from remat.models import build_from_config, load_config, load_model
-from remat.plan import Plan, measure, plan
-from remat.recompute import explain, keep_reasons, rewrite, saved_nodes
-from remat.settings import TrainSettings
-from remat.step import plan_settings
-from remat.train import finetune
+from remat.base.settings import TrainSettings
+from remat.core import alias
+from remat.core.capture import EagerStridesFakeMode, capture
+from remat.core.graph import StepInputs, TrainGraph
+from remat.core.plan import Plan, measure, plan
+from remat.core.recompute import explain, keep_reasons, rewrite, saved_nodes
+from remat.models.load import build_from_config, load_config, load_model
+from remat.training import walk
+from remat.training.step import plan_settings
+from remat.training.train import finetune
 
 TINY = ("tiny-llama", "tiny-qwen35")
 BATCH, CTX, UBATCH = 2, 64, 16

@@ -16,10 +16,10 @@ from typing import Annotated, Any, Literal, TypeVar, get_args, get_origin
 
 from pydantic import BaseModel, TypeAdapter, ValidationError
 
-from remat.settings import Cli, MiB, RematError, Renamed, ServeSettings, TrainSettings, UsageError, describe
+from remat.base.settings import Cli, MiB, RematError, Renamed, ServeSettings, TrainSettings, UsageError, describe
 
 # Nothing heavy at import time (torch, transformers): `remat --help` and argument errors answer at once.
-# Every option comes from a field of remat.settings: its type, bounds, default and help are declared there.
+# Every option comes from a field of remat.base.settings: its type, bounds, default and help are declared there.
 
 EXIT_CHECK_FAILED = 1
 M = TypeVar("M", bound=BaseModel)
@@ -144,7 +144,7 @@ def run() -> None:
     So does a rank of a data-parallel run: torch's distributed objects destroyed at exit can abort it."""
     argv = sys.argv[1:]
     code = main(argv)
-    distributed = sys.modules.get("remat.distributed")  # imported by the commands that can run on several ranks
+    distributed = sys.modules.get("remat.training.distributed")  # imported where a run can have ranks
     if argv[:1] == ["plan"] or (distributed is not None and distributed.joined_a_group()):
         sys.stdout.flush()
         sys.stderr.flush()
@@ -191,8 +191,8 @@ def table(plans: dict, ran: str | None = None) -> str:
 
 
 def cmd_finetune(args: argparse.Namespace) -> int:
-    from remat import distributed
-    from remat.train import Hooks, finetune
+    from remat.training import distributed
+    from remat.training.train import Hooks, finetune
 
     def show_plan(gate: dict, heading: str = "") -> None:  # before the first step: what the run will hold at once
         print(f"{heading}recompute: {gate['policy']} ({gate['recompute_reason']})\n"
@@ -231,8 +231,9 @@ def cmd_finetune(args: argparse.Namespace) -> int:
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
-    from remat import distributed, models, step
-    from remat.plan import available_memory, per_rank
+    from remat.core.plan import available_memory, per_rank
+    from remat.models import load as models
+    from remat.training import distributed, step
 
     which = args.recompute
     s = settings_from(TrainSettings, args, recompute="auto" if which == "both" else which)
@@ -266,10 +267,10 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    from remat import bench
+    from remat.bench import compare as bench
 
     if args.sweep:
-        from remat import sweep
+        from remat.bench import sweep
 
         return sweep.main(args)
     return bench.main(args)
@@ -282,7 +283,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 def cmd_export(args: argparse.Namespace) -> int:
-    from remat.adapters import merge_into_base
+    from remat.models.adapters import merge_into_base
 
     files = merge_into_base(args.model, args.adapter, args.out)
     print("\n".join(files))
@@ -292,9 +293,11 @@ def cmd_export(args: argparse.Namespace) -> int:
 def cmd_verify(args: argparse.Namespace) -> int:
     import torch
 
-    from remat import models, policies, step
-    from remat.graph import StepInputs
-    from remat.recompute import explain, verify
+    from remat.core import policies
+    from remat.core.graph import StepInputs
+    from remat.core.recompute import explain, verify
+    from remat.models import load as models
+    from remat.training import step
 
     s = settings_from(TrainSettings, args)
     loaded = models.load_model(s.model)

@@ -8,13 +8,13 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-import cases  # noqa: E402
-import torch  # noqa: E402
+import cases
+import torch
 
-from remat import models, step  # noqa: E402
-from remat.plan import per_rank  # noqa: E402
-from remat.settings import GateRefused, TrainSettings  # noqa: E402
-from remat.train import finetune  # noqa: E402
+from remat import models, step
+from remat.base.settings import GateRefused, TrainSettings
+from remat.core.plan import per_rank
+from remat.training.train import finetune
 
 
 def main() -> None:
@@ -43,7 +43,8 @@ def main() -> None:
         print(name, c.policy, flush=True)
     for name, fields in cases.TRAIN:
         r = finetune(TrainSettings(**fields), progress=False).as_dict()
-        plans = {k: {c: v for c, v in p.items() if c not in ("runtime", "trace", "total")} for k, p in r["plans"].items()}
+        plans = {k: {c: v for c, v in p.items() if c not in ("runtime", "trace", "total")}
+                 for k, p in r["plans"].items()}
         out["train"][name] = {"losses": r["losses"], "policy": r["policy"], "plans": plans}
         print(name, r["losses"], flush=True)
     Path(__file__).with_name("golden.json").write_text(json.dumps(out, indent=1) + "\n")

@@ -25,11 +25,11 @@ import anyio.to_thread
 from fastapi import FastAPI
 from starlette.concurrency import run_in_threadpool
 
+from remat.base.settings import DEFAULT_SLOWDOWN_PPM, VERSION, ServeSettings
 from remat.serve import errors, openapi, page, schemas
 from remat.serve.middleware import BODY_TIMEOUT, ApiKeyMiddleware, BodyLimitMiddleware
 from remat.serve.routes import ROUTERS
 from remat.serve.state import Server
-from remat.settings import DEFAULT_SLOWDOWN_PPM, VERSION, ServeSettings
 
 __all__ = ["create_app", "main"]
 
@@ -82,7 +82,7 @@ def create_app(*, model: str | None = None, parallel: int = SERVE["parallel"], a
 def _bodies(model: str | None, n_ctx: int | None) -> dict:
     """The request models as the served model bounds them (`schemas.bounded`), from its config (no weights);
     the unbounded ones when the config cannot be read (the load reports why, in the background)."""
-    from remat.models import load_config, max_ctx
+    from remat.models.load import load_config, max_ctx
 
     try:
         config = load_config(model)
@@ -99,7 +99,7 @@ def main(args: ServeSettings) -> int:
     """Run the server until interrupted. 0 on a clean stop, 2 for a bad model or setting, 1 if loading fails."""
     import uvicorn
 
-    from remat.models import ModelError, load_config
+    from remat.models.load import ModelError, load_config
 
     try:
         config = load_config(args.model)  # a bad spec fails now, not in the background

@@ -41,7 +41,7 @@ from pydantic import BaseModel, ConfigDict, TypeAdapter, ValidationError
 from pydantic.fields import FieldInfo
 from starlette.concurrency import run_in_threadpool
 
-from remat import collector
+from remat.base import collector
 from remat.serve.errors import ApiError
 
 __all__ = ["Parsed", "answer", "dump", "loads", "openapi_body", "read", "reader", "release",

@@ -25,15 +25,15 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from remat.base.settings import one_line
 from remat.serve.errors import ApiError
 from remat.serve.schemas import CHARS_PER_TOKEN
-from remat.settings import one_line
 
 if TYPE_CHECKING:
     from peft import PeftModel
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-    from remat.models import LoadedModel
+    from remat.models.load import LoadedModel
 
 __all__ = ["Engine", "Generation", "SamplingParams"]
 
@@ -271,7 +271,7 @@ class Engine:
     # -- loading --------------------------------------------------------------------------------------
 
     def load(self) -> None:
-        from remat.models import ModelError, load_model
+        from remat.models.load import ModelError, load_model
 
         try:
             lm = load_model(self.spec, seed=self.seed)
@@ -380,7 +380,7 @@ class Engine:
     def _load_adapter(self, adapter_id: int, path: str) -> None:
         import peft
 
-        from remat.models import module_lock
+        from remat.models.load import module_lock
 
         name = f"adapter_{adapter_id}"
         if adapter_id in self._loaded and self._peft is not None:  # the same id at a new path: replace it

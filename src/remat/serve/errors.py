@@ -19,7 +19,7 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from remat.settings import one_line
+from remat.base.settings import one_line
 
 __all__ = ["ApiError", "ErrorResponse", "SafeJSONResponse", "error_body", "error_response", "install",
            "responses"]

@@ -12,9 +12,9 @@ from fastapi import Request
 from fastapi.responses import StreamingResponse
 from starlette.concurrency import run_in_threadpool
 
+from remat.base.settings import one_line
 from remat.serve.engine import Generation, SamplingParams
 from remat.serve.errors import ApiError, error_body
-from remat.settings import one_line
 
 log = logging.getLogger("remat.serve")
 

@@ -37,14 +37,17 @@ from pathlib import Path
 from pydantic import ValidationError
 from torch import nn
 
-from remat import adapters, checkpoints, collector, data, models, step, train
-from remat.files import staged
-from remat.plan import available_memory
+from remat.base import collector
+from remat.base.files import staged
+from remat.base.settings import Cancelled, GateRefused, TrainSettings, UsageError, describe, one_line, percentile
+from remat.core.plan import available_memory
+from remat.models import adapters
+from remat.models import load as models
 from remat.serve import body
 from remat.serve.errors import ApiError, invalid, parse
 from remat.serve.scheduler import Scheduler, Totals
 from remat.serve.schemas import MAX_SCALE, LoraScale, TrainRequest
-from remat.settings import Cancelled, GateRefused, TrainSettings, UsageError, describe, one_line, percentile
+from remat.training import checkpoints, data, step, train
 
 log = logging.getLogger("remat.serve")
 
@@ -487,7 +490,7 @@ class JobManager:
     def _linear_shapes(self) -> builtins.list[tuple[str, int, int]]:
         """(name, in, out) of every linear layer of the served model, from a model built on fake tensors."""
         if self._linears is None:
-            from remat.capture import EagerStridesFakeMode
+            from remat.core.capture import EagerStridesFakeMode
 
             with self._planning(), EagerStridesFakeMode(allow_non_fake_inputs=True):
                 model = models.build_from_config(self._model_config(), seed=0)

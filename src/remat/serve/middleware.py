@@ -7,8 +7,8 @@ import collections
 import hmac
 import json
 
+from remat.base.settings import ServeSettings
 from remat.serve.errors import error_body
-from remat.settings import ServeSettings
 
 PUBLIC_PATHS = frozenset({"/health", "/v1/health", "/v1/models", "/models"})
 BIG_BODY_PATHS = ("/train", "/lora-adapters")  # the routes whose bodies may be large (training data)

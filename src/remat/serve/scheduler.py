@@ -43,7 +43,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from remat.settings import DEFAULT_SLOWDOWN_PPM, Cancelled, percentile
+from remat.base.settings import DEFAULT_SLOWDOWN_PPM, Cancelled, percentile
 
 POLL_SECONDS = 0.005  # how often a waiting trainer looks again
 RECENT_CHUNKS = 50  # chunks whose p50 is the expected length of the next one

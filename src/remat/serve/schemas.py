@@ -4,7 +4,7 @@ OpenAPI document (`/openapi.json`), so what the document says is what the server
 Requests are strict (a string is not a number, `true` is not 1) except that an integral float (`3.0`)
 is an integer, as JSON Schema has it. Text never holds a lone surrogate (`"\\ud800"`): it cannot be
 tokenized or stored. A training job's fields are `TrainSettings`' fields (one declaration, in
-`remat.settings`), with the JSON forms of `recompute` (true / false / a policy), `memory_budget` (bytes or
+`remat.base.settings`), with the JSON forms of `recompute` (true / false / a policy), `memory_budget` (bytes or
 "512MiB") and `lora` ({r, alpha, ...}).
 """
 
@@ -17,7 +17,7 @@ from typing import Annotated, Any, Literal
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, RootModel, create_model, model_validator
 from pydantic.fields import FieldInfo
 
-from remat.settings import MAX_SEED, TrainSettings
+from remat.base.settings import MAX_SEED, TrainSettings
 
 MAX_SCALE = 100.0  # |adapter scale|: larger ones only overflow the logits
 MAX_TEMPERATURE = 100.0
@@ -195,7 +195,7 @@ TRAIN_FIELDS = ("epochs", "steps", "ctx", "batch", "accumulate", "lr", "seed", "
                 "loss_chunk", "save_every", "pack")
 
 
-# A memory size as `remat.settings.parse_bytes` reads it: 512MiB, 2GiB, 1.5G, a bare number of MiB.
+# A memory size as `remat.base.settings.parse_bytes` reads it: 512MiB, 2GiB, 1.5G, a bare number of MiB.
 SIZE_PATTERN = r"^[0-9]{1,15}(\.[0-9]{1,6})? ?([KkMmGgTt]([Ii]?[Bb])?|[Bb])?$"
 
 

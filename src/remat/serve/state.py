@@ -11,11 +11,11 @@ from typing import Annotated
 
 from fastapi import Depends, Request
 
+from remat.base.settings import one_line
 from remat.serve.engine import Engine
 from remat.serve.errors import ApiError
 from remat.serve.jobs import JobManager
 from remat.serve.scheduler import Scheduler
-from remat.settings import one_line
 
 log = logging.getLogger("remat.serve")
 

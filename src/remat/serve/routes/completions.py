@@ -9,13 +9,13 @@ from typing import Annotated
 from fastapi import APIRouter, Depends, Request
 from starlette.concurrency import run_in_threadpool
 
+from remat.base.settings import VERSION
 from remat.serve import generation as gen
 from remat.serve.body import openapi_body, reader
 from remat.serve.engine import Engine, Generation, SamplingParams
 from remat.serve.errors import responses
 from remat.serve.schemas import CompletionRequest, CompletionResponse, CompletionsRequest, CompletionsResponse
 from remat.serve.state import EngineDep
-from remat.settings import VERSION
 
 router = APIRouter(tags=["generation"])
 ERRORS = responses(400, 503)

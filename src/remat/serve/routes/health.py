@@ -6,12 +6,12 @@ from fastapi import APIRouter
 from fastapi.responses import PlainTextResponse
 from starlette.concurrency import run_in_threadpool
 
+from remat.base.settings import VERSION
 from remat.serve.engine import SamplingParams
 from remat.serve.errors import error_response, responses
 from remat.serve.metrics import metrics_text
 from remat.serve.schemas import Health, ModelList, Props
 from remat.serve.state import EngineDep, ServerDep
-from remat.settings import VERSION
 
 router = APIRouter(tags=["server"])
 

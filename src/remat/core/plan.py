@@ -1,0 +1,536 @@
+"""Memory: plan a TrainGraph's bytes by category before anything is allocated, and measure a run.
+
+The planner walks the node order with each node's fake tensor (shape, dtype, strides,
+storage). A node's output storage is allocated when the node runs and freed after the
+last use of any node that aliases it (views and in-place results share their base's
+storage). `graph` is the peak of those graph-allocated bytes during forward+backward.
+Parameters, inputs and the step's outputs (loss, grads) are counted in their own
+categories, never in `graph`; `step` is the peak of graph bytes and grads together (the grads
+are made during the backward, after the graph's peak when recompute is off).
+
+The total is what the process holds at its peak: the resident categories plus the larger of
+the step (`step`) and the optimizer's update (`grads` + `workspace`), which never overlap.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import ctypes
+import functools
+import gc
+from collections.abc import Callable, Hashable, Iterator, Sequence, Set
+from dataclasses import asdict, dataclass
+
+import torch
+from torch import fx
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from remat.base.settings import GateRefused, MiB
+from remat.core.graph import TrainGraph, interpret, tensors_in
+
+
+@dataclass
+class Plan:
+    params: int  # trainable parameters
+    frozen: int  # frozen parameters and buffers
+    grads: int
+    optimizer: int  # AdamW: two fp32 states per trainable element (per rank: its ZeRO share)
+    graph: int  # peak of graph-allocated tensors during forward + backward
+    cache: int = 0  # walk path: KV cache and carried states (exact: their gradient buffers, every chunk's start state)
+    step: int = 0  # peak of graph-allocated tensors and the grads made by then, together
+    workspace: int = 0  # the optimizer's update: AdamW's temporaries, three of its largest parameter (measured)
+    trace: int = 0  # the traced graphs and their metadata: the process's growth while tracing (measured)
+    runtime: int = 0  # the process before the model: interpreter, torch, libraries (measured, not modelled)
+
+    @property
+    def total(self) -> int:
+        resident = self.params + self.frozen + self.optimizer + self.cache + self.trace + self.runtime
+        return resident + max(self.step, self.grads + self.workspace)
+
+    def as_dict(self) -> dict[str, int]:
+        return {**asdict(self), "total": self.total}
+
+
+
+
+Lives = dict[Hashable, tuple[int, int, int]]  # storage -> (position of its maker, bytes, position it is freed after)
+
+# Ops that hold memory inside beyond their outputs while they run (a backward that recomputes its forward:
+# `remat.models.delta_rule`): op -> the bytes it holds at its peak beyond its outputs, from the node's fake values.
+# The planner adds them at the node, alive for that node only; `measure` tracks the real ones (`held_inside`).
+WORKSPACE: dict[object, Callable[[fx.Node], int]] = {}
+
+
+def workspace(node: fx.Node) -> int:
+    fn = WORKSPACE.get(node.target) if node.op == "call_function" else None
+    return fn(node) if fn is not None else 0
+
+
+def value_bytes(value: object) -> int:
+    """The bytes of the storages a value holds, each once."""
+    return sum({StorageWeakRef(t.untyped_storage()): t.untyped_storage().nbytes() for t in tensors_in(value)}.values())
+
+
+class _HeldInside(TorchDispatchMode):
+    """The peak of the bytes of the storages made while it is on (inputs' aside). Each op's outputs are
+    counted once per storage; before each op, storages nothing holds any more (`StorageWeakRef.expired`: a
+    weak reference, which keeps nothing alive, so autograd still reuses what it may) are dropped. Fake and
+    real tensors alike."""
+
+    def __init__(self, inputs: Sequence[object]):
+        super().__init__()
+        self.inputs = {StorageWeakRef(t.untyped_storage()) for t in tensors_in(list(inputs))}
+        self.sizes: dict[StorageWeakRef, int] = {}
+        self.live = self.peak = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        for key in [k for k in self.sizes if k.expired()]:
+            self.live -= self.sizes.pop(key)
+        out = func(*args, **(kwargs or {}))
+        for t in tensors_in(out):
+            key = StorageWeakRef(t.untyped_storage())
+            if key not in self.inputs and key not in self.sizes:
+                self.sizes[key] = t.untyped_storage().nbytes()
+                self.live += self.sizes[key]
+        self.peak = max(self.peak, self.live)
+        return out
+
+
+_WATCHING: contextvars.ContextVar[list[int] | None] = contextvars.ContextVar("remat_held_inside", default=None)
+
+
+@contextlib.contextmanager
+def watching(peaks: list[int]) -> Iterator[None]:
+    """Ops that hold memory inside (`WORKSPACE`) append their internal peaks to `peaks` while this is on."""
+    token = _WATCHING.set(peaks)
+    try:
+        yield
+    finally:
+        _WATCHING.reset(token)
+
+
+def held_inside(fn: Callable[[], object], inputs: Sequence[object]) -> object:
+    """`fn()`: an op's body. While someone is `watching`, its internal peak (bytes made inside, its result
+    included, `inputs` aside) is appended to what they watch."""
+    peaks = _WATCHING.get()
+    if peaks is None:
+        return fn()
+    token = _WATCHING.set(None)  # an op inside reports to this one, not past it
+    try:
+        with _HeldInside(inputs) as seen:
+            out = fn()
+    finally:
+        _WATCHING.reset(token)
+    peaks.append(seen.peak)
+    return out
+
+
+def sized_storages(node: fx.Node) -> list[tuple[StorageWeakRef, int]]:
+    """The storages the node's value holds, with their bytes."""
+    return [(StorageWeakRef(t.untyped_storage()), t.untyped_storage().nbytes())
+            for t in tensors_in(node.meta.get("val"))]
+
+
+def _storages(node: fx.Node) -> list[StorageWeakRef]:
+    return [s for s, _ in sized_storages(node)]
+
+
+def _output_nodes(graph: fx.Graph) -> list[fx.Node]:
+    out = next(n for n in reversed(graph.nodes) if n.op == "output")
+    return list(out.all_input_nodes)
+
+
+def lives(held: Sequence[Sequence[tuple[Hashable, int]]], last_read: Sequence[int], inputs: Set,
+          outputs: Set, inside: Sequence[int] = ()) -> Lives:
+    """Each graph-allocated storage's life over a node order: `held[i]`, the storages node i's value holds
+    (with bytes); `last_read[i]`, the position of its last reader (or i). `inputs` are not the graph's to
+    allocate; `outputs` live from their maker to the end. `inside[i]`: what node i holds while it runs
+    beyond its value (`workspace`), alive at i only."""
+    life: Lives = {("inside", i): (i, size, i) for i, size in enumerate(inside) if size}
+    for i, (storages, end) in enumerate(zip(held, last_read, strict=True)):
+        for s, size in storages:
+            if s not in inputs:
+                maker, first_size, freed = life.get(s, (i, size, 0))
+                life[s] = (maker, first_size, len(held) if s in outputs else max(freed, end))
+    return life
+
+
+def _lifetimes(tg: TrainGraph) -> tuple[list[fx.Node], Lives, set]:
+    """The graph's node order, its storages' lives (`lives`), and which of them are the step's outputs."""
+    nodes = list(tg.graph.nodes)
+    pos = {n: i for i, n in enumerate(nodes)}
+    held = [sized_storages(n) for n in nodes]
+    inputs = {s for n in nodes if n.op == "placeholder" for s, _ in held[pos[n]]}
+    outputs = {s for n in _output_nodes(tg.graph) for s, _ in held[pos[n]]} - inputs
+    last_read = [max([i] + [pos[u] for u in n.users]) for i, n in enumerate(nodes)]
+    return nodes, lives(held, last_read, inputs, outputs, [workspace(n) for n in nodes]), outputs
+
+
+def live_at_peak(tg: TrainGraph, outputs: bool = False) -> tuple[int, fx.Node | None, list[tuple[fx.Node, int]]]:
+    """The peak of graph-allocated bytes (with `outputs`, and the outputs made so far), the node where it is
+    reached, and what is live then."""
+    nodes, life, kept = _lifetimes(tg)
+    peak, at, live = _sweep(len(nodes), life, frozenset() if outputs else kept)
+    return peak, None if at is None else nodes[at], [(nodes[maker], size) for maker, size in live]
+
+
+def _sweep(count: int, life: Lives, skip: Set) -> tuple[int, int | None, list[tuple[int, int]]]:
+    """The peak of live bytes over `count` positions, where it is, and what is live then (maker, bytes)."""
+    made_at: dict[int, list[Hashable]] = {}
+    frees_at: dict[int, list[Hashable]] = {}
+    for s, (maker, _, end) in life.items():
+        if s not in skip:
+            made_at.setdefault(maker, []).append(s)
+            frees_at.setdefault(end, []).append(s)
+    live: set[Hashable] = set()
+    total = peak = 0
+    peak_at, peak_set = None, set()
+    for i in range(count):
+        for s in made_at.get(i, ()):
+            live.add(s)
+            total += life[s][1]
+        if total > peak:
+            peak, peak_at, peak_set = total, i, set(live)
+        for s in frees_at.get(i, ()):
+            live.discard(s)
+            total -= life[s][1]
+    return peak, peak_at, sorted(((life[s][0], life[s][1]) for s in peak_set), key=lambda x: -x[1])
+
+
+def _peaks(count: int, life: Lives, outputs: Set) -> tuple[int, int]:
+    """`_sweep`'s peak without the `outputs` (`graph`) and with them (`step`), in one pass that does not keep
+    what is live: a plan needs only the two figures."""
+    made, freed = [0] * (count + 1), [0] * (count + 1)  # all storages' bytes, made and freed at each position
+    made_out, freed_out = [0] * (count + 1), [0] * (count + 1)  # the outputs' alone
+    for s, (maker, size, end) in life.items():
+        made[maker] += size
+        freed[end] += size
+        if s in outputs:
+            made_out[maker] += size
+            freed_out[end] += size
+    graph = step = total = out = 0
+    for i in range(count):
+        total += made[i]
+        out += made_out[i]
+        step, graph = max(step, total), max(graph, total - out)
+        total -= freed[i]
+        out -= freed_out[i]
+    return graph, step
+
+
+def graph_peak(tg: TrainGraph) -> int:
+    """Peak live bytes of graph-allocated storages over the node order."""
+    return live_at_peak(tg)[0]
+
+
+def _made_grads(tg: TrainGraph) -> int:
+    """Bytes of the step's grads (its outputs after the loss) that the graph allocates; the rest alias its
+    inputs (a walk's grad sums)."""
+    inputs = {s for n in tg.placeholders() for s in _storages(n)}
+    made = {s: size for n in _output_nodes(tg.graph)[1:] for s, size in sized_storages(n) if s not in inputs}
+    return sum(made.values())
+
+
+Order = tuple[int, Lives, Set]  # a node order: its length, its storages' `lives`, its outputs' storages
+
+
+def plan(tg: TrainGraph, order: Order | None = None) -> Plan:
+    """Bytes by category for running `tg` as a training step with AdamW. `order`, when given, is another
+    node order of the same step: a rewrite planned without making its graph (`recompute.Rewriter.plan`)."""
+    if order is None:
+        nodes, lifetimes, made_outputs = _lifetimes(tg)  # one walk over the storages for both peaks
+        order = len(nodes), lifetimes, made_outputs
+    inputs = [(r, n.meta.get("val")) for n, r in zip(tg.placeholders(), tg.roles)]
+    return planned(inputs, _made_grads(tg), order, tg.info)
+
+
+def planned(inputs: Sequence[tuple[str, object]], made_grads: int, order: Order, info: dict) -> Plan:
+    """The plan of a step from its inputs' roles and values, the bytes of the grads it makes (`_made_grads`),
+    its node order and its `info` (`plan`'s parts, for a step planned without its graph)."""
+    trainable = [t for r, v in inputs if r == "trainable" for t in tensors_in(v)]
+    params = sum(t.numel() * t.element_size() for t in trainable)
+    largest = max((t.numel() * t.element_size() for t in trainable), default=0)
+
+    def role_bytes(*roles: str) -> int:
+        return sum(t.untyped_storage().nbytes() for r, v in inputs if r in roles for t in tensors_in(v))
+
+    graph, step = _peaks(*order)
+    return Plan(
+        params=params,
+        frozen=role_bytes("frozen", "buffer"),
+        grads=params,
+        optimizer=2 * 4 * max(zero_shards([t.numel() for t in trainable], _WORLD.get())),
+        graph=graph,
+        cache=role_bytes("state") + info.get("saved_states", 0),
+        step=step + max(0, params - made_grads),  # with the grads held before the step starts (a walk's sums)
+        workspace=3 * largest,  # torch's single-tensor AdamW (CPU): sqrt, quotient and sum of one parameter
+    )
+
+
+class Storages:
+    """Makes a step as the planner sees it, node by node, without a graph: each node's storages (with bytes)
+    and its last reader, in order (`recompute.Rewriter.plan`, `stamp`'s plans). A copy of a node holds its
+    original's storages, or new ones of the same sizes (`new`: a value made again by the same op); where the
+    original holds an input's storage (a view, an in-place write), the copy holds that input's copy's instead."""
+
+    def __init__(self, storages: Callable[[fx.Node], Sequence[tuple[Hashable, int]]], templates: dict | None = None):
+        self.storages = storages  # an original node's, in the order its value holds them
+        self.held: list[list[tuple[Hashable, int]]] = []
+        self.last_read: list[int] = []
+        self.inside: list[int] = []  # what each node holds while it runs beyond its value (`workspace`)
+        self.inputs: set[Hashable] = set()
+        self.grads: list[tuple[Hashable, int]] = []  # what the step's outputs after the loss hold
+        self.outputs: set[Hashable] = set()
+        self.templates = {} if templates is None else templates  # see `_template`; shared by walks of one step
+
+    def input(self, key: Hashable) -> int:
+        """A placeholder of its own (not an original's copy): its one storage is `key`."""
+        self.inputs.add(key)
+        return self._append([(key, 0)], 0)
+
+    def copy(self, n: fx.Node, arg: Callable[[fx.Node], int], new: bool = False) -> int:
+        if n.op == "output":
+            return self.output([arg(a) for a in n.all_input_nodes])
+        i = len(self.held)
+        read = [arg(a) for a in n.all_input_nodes]
+        for h in read:
+            self.last_read[h] = i
+        own, inside = self._template(n)
+        # keys of one type: (-1, its storage) for an original's, (i, the original's) for node i's new one
+        mine = i if new else -1
+        self._append([(self.held[read[k]][j][0] if k >= 0 else (mine, s), size) for s, size, k, j in own], inside)
+        if n.op == "placeholder":
+            self.inputs.update(s for s, _ in self.held[i])
+        return i
+
+    def _template(self, n: fx.Node) -> tuple[list[tuple[Hashable, int, int, int]], int]:
+        """An original's storages, each with where an input holds it (the input's place among the node's
+        inputs, and the storage's among that input's; the last such, else -1, -1), and its `workspace`: the
+        same for every copy of it."""
+        if n not in self.templates:
+            where = {s: (k, j) for k, a in enumerate(n.all_input_nodes) for j, (s, _) in enumerate(self.storages(a))}
+            self.templates[n] = [(s, size, *where.get(s, (-1, -1))) for s, size in self.storages(n)], workspace(n)
+        return self.templates[n]
+
+    def clone(self, n: fx.Node, arg: Callable[[fx.Node], int], layer: int | None) -> int:
+        return self.copy(n, arg, new=True)
+
+    def output(self, results: list[int]) -> int:
+        """The step's output node: the loss, then the grads (positions of the nodes that make them)."""
+        i = self._append([], 0)
+        for h in results:
+            self.last_read[h] = i
+        self.outputs = {s for h in results for s, _ in self.held[h]}
+        self.grads = [held for h in results[1:] for held in self.held[h]]
+        return i
+
+    def order(self) -> Order:
+        outputs = self.outputs - self.inputs
+        return len(self.held), lives(self.held, self.last_read, self.inputs, outputs, self.inside), outputs
+
+    def made_grads(self) -> int:
+        return sum({s: size for s, size in self.grads if s not in self.inputs}.values())
+
+    def _append(self, held: list[tuple[Hashable, int]], inside: int) -> int:
+        self.held.append(held)
+        self.last_read.append(len(self.held) - 1)
+        self.inside.append(inside)
+        return len(self.held) - 1
+
+
+_WORLD: contextvars.ContextVar[int] = contextvars.ContextVar("remat_plan_world_size", default=1)
+
+
+@contextlib.contextmanager
+def per_rank(world_size: int) -> Iterator[None]:
+    """Plans made inside are one rank's of `world_size`: `optimizer` is the largest rank's ZeRO share."""
+    token = _WORLD.set(world_size)
+    try:
+        yield
+    finally:
+        _WORLD.reset(token)
+
+
+def world_size() -> int:
+    """The rank count plans are made for now (`per_rank`; 1 outside it)."""
+    return _WORLD.get()
+
+
+def zero_shards(numels: list[int], world_size: int) -> list[int]:
+    """Elements of optimizer state per rank as ZeroRedundancyOptimizer partitions them: whole tensors,
+    largest first, each to the rank holding the least so far (one process: all of them)."""
+    sizes = [0] * world_size
+    for n in sorted(numels, reverse=True):
+        sizes[sizes.index(min(sizes))] += n
+    return sizes
+
+
+@dataclass
+class Measured:
+    graph: int  # peak live bytes of graph-allocated storages, observed
+    step: int = 0  # the same with the grads: those the step makes, as it makes them, and those it was given
+    cuda_max_allocated: int | None = None
+
+    def as_dict(self) -> dict[str, int]:
+        d = {"graph": self.graph, "step": self.step}
+        if self.cuda_max_allocated is not None:
+            d["cuda_max_allocated"] = self.cuda_max_allocated
+        return d
+
+
+def measure(tg: TrainGraph, args: list[torch.Tensor]) -> tuple[list, Measured]:
+    """Run the step once, tracking real storages as they are made and dropped.
+
+    Returns the graph's outputs and the observed peak of graph-allocated bytes, with
+    inputs and the step's outputs (loss, grads) left out exactly as the planner does.
+    """
+    inputs = {t.untyped_storage().data_ptr() for t in args}
+    refs: dict[int, int] = {}  # storage data_ptr -> live values holding it
+    ident: dict[int, int] = {}  # storage data_ptr -> allocation id (pointers get reused)
+    events: list[tuple[int, int]] = []  # (allocation id, +bytes / -bytes), in order
+    counter = iter(range(1 << 62))
+
+    inside: list[int] = []  # what the last node held inside beyond its value (`held_inside`)
+
+    def made(node: fx.Node, value: object, env: dict) -> None:
+        for t in tensors_in(value):
+            p = t.untyped_storage().data_ptr()
+            if p in inputs or t.untyped_storage().nbytes() == 0:
+                continue
+            if refs.get(p, 0) == 0:
+                ident[p] = next(counter)
+                events.append((ident[p], t.untyped_storage().nbytes()))
+            refs[p] = refs.get(p, 0) + 1
+        extra = max(0, inside.pop() - value_bytes(value)) if inside else 0
+        events.append((-2, extra))  # a sampling point: after each node, before frees
+        events.append((-2, -extra))
+
+    def freed(node: fx.Node, value: object) -> None:
+        for t in tensors_in(value):
+            p = t.untyped_storage().data_ptr()
+            if p not in refs:
+                continue
+            refs[p] -= 1
+            if refs[p] == 0:
+                del refs[p]
+                events.append((ident[p], -t.untyped_storage().nbytes()))
+
+    cuda = any(t.is_cuda for t in args)
+    if cuda:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+    with watching(inside):
+        outputs = interpret(tg.gm, args, on_node=made, on_free=freed)
+    outs = {ident[p] for t in tensors_in(outputs) if (p := t.untyped_storage().data_ptr()) in ident}
+    made_grads = sum({p: t.untyped_storage().nbytes() for t in tensors_in(outputs[1:])
+                      if (p := t.untyped_storage().data_ptr()) not in inputs}.values())  # grads may share one
+    held = sum(a.numel() * a.element_size() for a, r in zip(args, tg.roles) if r == "trainable") - made_grads
+    cuda_max = torch.cuda.max_memory_allocated() if cuda else None
+    return outputs, Measured(graph=_peak(events, skip=outs), step=_peak(events) + max(0, held),
+                             cuda_max_allocated=cuda_max)
+
+
+def _peak(events: list[tuple[int, int]], skip: frozenset[int] | set[int] = frozenset()) -> int:
+    live = peak = 0
+    for i, b in events:
+        if i not in skip:
+            live += b
+            peak = max(peak, live)
+    return peak
+
+
+# ---------------------------------------------------------------------------------------- the gate
+
+def available_memory(device: torch.device | str = "cpu") -> int:
+    """Free memory of the device: on CPU the kernel's MemAvailable estimate."""
+    if torch.device(device).type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    raise OSError("cannot read MemAvailable from /proc/meminfo")
+
+
+@functools.cache
+def _libc() -> ctypes.CDLL | None:
+    """glibc, where the process has it."""
+    try:
+        return ctypes.CDLL("libc.so.6")
+    except OSError:
+        return None
+
+
+def return_freed_memory() -> None:
+    """Have glibc give large freed blocks (1 MiB and up) back to the kernel at once.
+
+    By default glibc raises its mmap threshold as large blocks are freed (up to 32 MiB) and then serves
+    them from its heap, which it cannot shrink past a live block: the process peak grows past what is live
+    (SmolLM2 LoRA at ctx 1024, recompute on: 1,910 MiB against 1,303 with this set). Elsewhere, a no-op."""
+    libc = _libc()
+    if libc is not None:
+        libc.mallopt(-3, 1 << 20)  # M_MMAP_THRESHOLD, which also turns the dynamic threshold off
+
+
+def trim_heap() -> None:
+    """Collect garbage, then have glibc give the heap memory it holds freed back to the kernel (`malloc_trim(0)`,
+    every arena), so that the resident set is what is live. Where libc has no `malloc_trim`, only the collection.
+
+    Without it, a step that follows another in one process reuses the heap that step freed (tensors under
+    the 1 MiB mmap threshold of `return_freed_memory`) without growing the resident set: its process peak
+    above its start reads near 0 however much it allocates (the bench's interleaved variants)."""
+    gc.collect()
+    libc = _libc()
+    if libc is not None and hasattr(libc, "malloc_trim"):
+        libc.malloc_trim(0)
+
+
+def resident() -> int:
+    """The process's resident set now (bytes): the `runtime` category, read before the model loads."""
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * (1 << 12)
+
+
+def reset_process_peak() -> None:
+    """Start the kernel's peak resident set (VmHWM) again from the resident set now (Linux)."""
+    with contextlib.suppress(OSError), open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+
+
+def process_peak() -> dict[str, int]:
+    """What the whole process has taken at most so far: peak resident set (VmHWM), and on CUDA the
+    allocator's peaks (`max_memory_allocated` in use, `max_memory_reserved` held)."""
+    peak = {}
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                peak["rss"] = int(line.split()[1]) * 1024
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        peak["cuda_allocated"] = torch.cuda.max_memory_allocated()
+        peak["cuda_reserved"] = torch.cuda.max_memory_reserved()
+    return peak
+
+
+def mib(n: int) -> str:
+    return f"{n / MiB:,.1f} MiB"
+
+
+def preflight(tg: TrainGraph, device: torch.device | str = "cpu", *, cpu_fallback: bool = False) -> None:
+    """Refuse a graph holding an op that no available backend can run, naming it.
+
+    An op runs if it has a kernel for the device (composite ops count), or, when
+    `cpu_fallback` is allowed, a CPU kernel.
+    """
+    key = torch.device(device).type.upper()
+    missing = set()
+    for n in tg.graph.nodes:
+        if n.op == "call_function" and isinstance(n.target, torch._ops.OpOverload):
+            name = n.target.name()
+            has = torch._C._dispatch_has_computed_kernel_for_dispatch_key
+            if not has(name, key) and not (cpu_fallback and has(name, "CPU")):
+                missing.add(name)
+    if missing:
+        raise GateRefused(f"refused: no kernel on {key.lower()} for {', '.join(sorted(missing))}"
+                          + ("" if cpu_fallback else " (and no CPU fallback allowed)"))

@@ -1,0 +1,518 @@
+"""The step of an N-layer model, stamped from the trace of a few of its layers (plans only).
+
+Decoder layers of one type are one function on different weights, so tracing all N of them repeats the
+same work N times (most of `remat plan`'s time). The layers are told apart by type (`_signature`: module
+classes, weight shapes, the plain settings their modules keep), and the model is traced with its first layer
+(it reads the embedding) and two layers of every type after it, the type's first and its second, or the last
+layer (it feeds the head) where that is of the type (`Picked`; the config's per-layer lists, such as
+`layer_types`, cut to match): qwen3.5-0.8b's 24 layers, 18 linear-attention and 6 full, the last full, trace as
+layers 0, 1, 2, 3 and 23; SmolLM2's 30 as 0, 1 and 29. The two of a type are checked to be the same graph,
+forward and backward: op for op, each argument playing the same part (a node of its own layer; a value the
+layer below or above, or the head, passes on, by its rank among what it passes on: the mark below, the
+gradient from above; its own parameter; a shared node such as the rotary tables). Every layer after the first
+is then the second of its type, copied on its own parameters, reading the same-ranked values of the layers
+that are below and above it in the whole model. A last layer whose check fails (it differs from its type's
+others beyond its signature) stands for itself, and the model is traced again without copying it.
+The result is the graph the whole trace makes, node for node (`tests/test_stamp.py` holds that on every
+family of the conformance matrix); a model whose layers do not repeat, or whose trace does not split
+into layers this way, is traced whole (`stamp` raises NotStampable).
+
+A plan does not even make the whole graph (`Stamper.plan`): it walks the same copies as the planner sees
+them (each node's storages and last reader, `plan.Storages`), and a policy that saves alike in every layer
+(on, dots) rewrites the small trace first, its recompute clones belonging to the layer whose backward reads
+them, and stamps that. `tests/test_stamp.py` holds these plans to the whole trace's, byte for byte.
+
+Only plans use it: a stamped graph is never run (its model has fake weights), so a layer that differs
+beyond what the checks see could misplan memory but never change training.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import re
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import fx, nn
+from torch._subclasses.fake_tensor import FakeTensor
+from torch.fx._lazy_graph_module import _LazyGraphModule
+
+from remat.core.capture import copied_value
+from remat.core.graph import StepInputs, TrainGraph, copy_node
+from remat.core.marks import LAYER_MARK, MARK_OP
+from remat.core.plan import Order, Plan, Storages, _storages, planned, sized_storages
+from remat.core.policies import Policy, layer_index
+from remat.core.recompute import CLONE_FOR, Rewriter
+from remat.models.hf import causal_lm, decoder_layers, prepare
+
+COPIES = 2  # the fewest layers a stamp must spare the trace (with fewer, the small trace is most of the whole)
+
+
+class NotStampable(Exception):
+    """The trace does not split into alike layers: trace the model whole."""
+
+
+def stamp(model: nn.Module, trace_small: Callable[[], TrainGraph]) -> Stamper:
+    """The whole model's step from `trace_small()` (the same trace, made while the model runs only the layers
+    `Picked.traced`): its graph and plans (`Stamper`); NotStampable, with why, when the model must be traced
+    whole."""
+    prepare(model)  # the layer marks are numbered by the whole list, before it is cut
+    layers = decoder_layers(model)
+    picked = layers.__dict__.get("_remat_picked")  # a model's layers are fixed once built: picked once per model
+    if picked is None:
+        picked = layers.__dict__["_remat_picked"] = _pick([_signature(m) for m in layers])
+    try:
+        return _stamped(model, layers, picked, trace_small)
+    except NotStampable:
+        if not picked.last_copied:
+            raise
+    # the last layer is not like its type's others beyond what its signature shows (axk1's backward holds more):
+    # it stands for itself, from now on
+    picked = layers.__dict__["_remat_picked"] = _pick([_signature(m) for m in layers], last_copied=False)
+    return _stamped(model, layers, picked, trace_small)
+
+
+def _stamped(model: nn.Module, layers: nn.ModuleList, picked: Picked,
+             trace_small: Callable[[], TrainGraph]) -> Stamper:
+    with _only_layers(model, layers, picked.traced):
+        try:
+            small = trace_small()
+        except (KeyError, IndexError) as e:  # a model that keeps tables by layer (Zamba2's) runs no cut list
+            raise NotStampable(f"layers {list(picked.traced)} do not run alone: {type(e).__name__} {e}") from e
+    stamper = Stamper(small, Numbering(_qualified_name(model, layers)), picked, StepInputs.of(model))
+    stamper.walked  # noqa: B018 - the last checks: NotStampable here, not later
+    return stamper
+
+
+# ---------------------------------------------------------------------------------------------- picking
+
+
+@dataclass(frozen=True)
+class Picked:
+    """Which of the n layers the small trace runs (`traced`, in order; a layer's place is its index there), and
+    what each of the model's layers is stamped from (`source`: a place). The first layer (and any layer of a
+    type that does not occur twice, and the last where it must) stands for itself; every other layer is its
+    type's second traced layer, copied. `alike`: the two places of each type, checked against each other.
+    The head stands after the layers, at place len(traced) and layer n."""
+
+    n: int
+    traced: tuple[int, ...]
+    source: tuple[int, ...]
+    alike: tuple[tuple[int, int], ...]
+
+    @property
+    def head(self) -> int:
+        return len(self.traced)
+
+    def itself(self, place: int) -> bool:
+        """Whether a place stands for its own layer (the first, the head, ...) rather than being copied."""
+        return place == self.head or all(place not in pair for pair in self.alike)
+
+    @property
+    def last_copied(self) -> bool:
+        """Whether the last layer is its type's copied one (checked against the type's first) or stands for itself."""
+        return not self.itself(self.source[-1])
+
+    def layer(self, place: int) -> int:
+        """The model's layer a place that stands for itself is (the head: n)."""
+        return self.n if place == self.head else self.traced[place]
+
+    def source_of(self, layer: int) -> int:
+        return self.head if layer == self.n else self.source[layer]
+
+
+def _pick(signatures: list[tuple], last_copied: bool = True) -> Picked:
+    """The first layer, as few more at either end as it takes for every type between to occur twice, and two of
+    each type between: its first and its second, or the last layer where that is of the type (unless not
+    `last_copied`: then the last layer always stands for itself); NotStampable when that spares the trace fewer
+    than COPIES layers."""
+    n, s = len(signatures), 0 if last_copied else 1  # s: the fewest last layers that stand for themselves
+    for ends in range(1 + s, n - 1):
+        for a in range(1, ends + 1 - s):
+            between: dict[tuple, list[int]] = {}
+            for i in range(a, n - ends + a):
+                between.setdefault(signatures[i], []).append(i)
+            if all(len(layers) >= 2 for layers in between.values()):
+                return _picked(n, a, ends - a, list(between.values()))
+    if n < 4 + COPIES:
+        raise NotStampable(f"{n} layers: too few to copy one")
+    i = next(i for i in range(2, n) if signatures[i] != signatures[1])
+    raise NotStampable(f"its layers do not repeat: {_difference(signatures[1], signatures[i])} (layers 1, {i})")
+
+
+def _picked(n: int, a: int, s: int, types: list[list[int]]) -> Picked:
+    # each type's first layer and the one copied: its second, or the last layer where it is of the type
+    pairs = [(t[0], t[-1] if t[-1] == n - 1 else t[1]) for t in types]
+    traced = sorted({*range(a), *range(n - s, n), *(i for pair in pairs for i in pair)})
+    if n - len(traced) < COPIES:
+        raise NotStampable(f"{n} layers: too few to copy one")
+    place = {layer: j for j, layer in enumerate(traced)}
+    source = [place.get(i, -1) for i in range(n)]
+    for layers, (_, copied) in zip(types, pairs):
+        for i in layers:
+            source[i] = place[copied]
+    return Picked(n, tuple(traced), tuple(source), tuple((place[x], place[y]) for x, y in pairs))
+
+
+# ---------------------------------------------------------------------------------------------- layers
+
+
+_POSITION = re.compile(r"layer_?(idx|id|index|number)|block_?(idx|id)")
+
+
+def _signature(layer: nn.Module) -> tuple:
+    """What can make two layers different functions: module classes, parameter and buffer shapes, and the
+    plain settings the modules keep (sliding window or not, layer type, ...), its own position aside."""
+    parts: list = []
+    for name, m in layer.named_modules():
+        settings = sorted((k, repr(v)) for k, v in vars(m).items()
+                          if not k.startswith("_") and not _POSITION.fullmatch(k) and k != "training"
+                          and isinstance(v, (int, float, str, bool, type(None), tuple, list)))
+        tensors = [(k, tuple(t.shape), t.dtype, t.requires_grad)
+                   for k, t in [*m.named_parameters(recurse=False), *m.named_buffers(recurse=False)]]
+        parts.append((name, type(m).__qualname__, tuple(settings), tuple(tensors)))
+    return tuple(parts)
+
+
+def _difference(a: tuple, b: tuple) -> str:
+    """What differs between two layer signatures, in a few words."""
+    for (name, cls, settings, tensors), (name_b, cls_b, settings_b, tensors_b) in zip(a, b):
+        where = name or "the layer"
+        if (name, cls) != (name_b, cls_b):
+            return f"{where}: {cls} / {name_b or 'the layer'}: {cls_b}"
+        keys = sorted({k for k, _ in set(settings) ^ set(settings_b)})
+        if keys:
+            return f"{where} {', '.join(keys)}"
+        if tensors != tensors_b:
+            return f"{where}'s weights"
+    return "their module trees"
+
+
+def _qualified_name(model: nn.Module, layers: nn.ModuleList) -> str:
+    return next(name for name, m in model.named_modules() if m is layers)
+
+
+@contextlib.contextmanager
+def _only_layers(model: nn.Module, layers: nn.ModuleList, keep: tuple[int, ...]) -> Iterator[None]:
+    """The decoder runs only the layers `keep` (the model iterates over its layer list; slices of it by the
+    configured depth stop at the list's end), and its config's per-layer lists (`layer_types`: LFM3 picks each
+    layer's mask and rotary tables by its place in the list) are cut to match."""
+    saved = dict(layers._modules)
+    n, keys = len(saved), list(saved)
+    configs = {id(c): c for m in causal_lm(model).modules() if (c := getattr(m, "config", None)) is not None}
+    lists = [(c, k, v) for c in configs.values() for k, v in vars(c).items()
+             if isinstance(v, (list, tuple)) and len(v) == n]
+    layers._modules = {keys[i]: saved[keys[i]] for i in keep}
+    for c, k, v in lists:
+        setattr(c, k, type(v)(v[i] for i in keep))
+    try:
+        yield
+    finally:
+        layers._modules = saved
+        for c, k, v in lists:
+            setattr(c, k, v)
+
+
+# ---------------------------------------------------------------------------------------------- segments
+
+
+@dataclass
+class Segments:
+    """The small trace split by place (`Picked`): forward[j] runs from after the mark that ends place j-1 through
+    the one that ends place j (forward[0] from the first node: what comes before the layers, rotary tables and
+    masks, is shared); forward[head] is the head. A backward node belongs to the earliest place it reads (the
+    mark that ends one counts as the next one's input): backward[j] runs from the first node of place j to the
+    first of place j-1, backward[head] is what runs before the last layer's, backward[0] all after place 1's.
+    `passed[kind, j]`: the nodes of a segment that the place below or above reads, in order (of the first one's
+    forward, only its mark): a layer reads its neighbours' by their rank there."""
+
+    forward: list[list[fx.Node]]
+    backward: list[list[fx.Node]]
+    place: dict[fx.Node, tuple[str, int]]  # node -> ("F" or "B", place)
+    passed: dict[tuple[str, int], list[fx.Node]]
+
+
+def _segments(tg: TrainGraph, numbering: Numbering, picked: Picked) -> Segments:
+    fwd = [n for n in tg.forward_nodes() if n.op != "placeholder"]
+    marks = [i for i, n in enumerate(fwd) if layer_index(n) is not None]
+    if [layer_index(fwd[i]) for i in marks] != list(picked.traced):
+        raise NotStampable(f"the layer marks are not {list(picked.traced)} in order")
+    k, cuts = picked.head, [0, *(i + 1 for i in marks)]
+    forward = [fwd[cuts[j]:cuts[j + 1]] for j in range(k)] + [fwd[cuts[k]:]]
+    place = {n: ("F", j) for j, seg in enumerate(forward[:k]) for n in seg}
+    # the mark that ends a place is the next one's input: the backward nodes that read it belong to the next
+    label: dict[fx.Node, int] = {n: j + (n is forward[j][-1]) for n, (_, j) in place.items()}
+    for p, name in zip(tg.placeholders(), tg.names):
+        layer = numbering.layer(name)
+        if layer is not None:
+            label[p] = picked.traced.index(layer)
+    place.update((n, ("F", k)) for n in forward[k])
+    for n in tg.graph.nodes:  # a recompute clone belongs to the layer whose backward reads it
+        if CLONE_FOR in n.meta:
+            layer = n.meta[CLONE_FOR]
+            label[n] = k if layer is None else picked.traced.index(layer)
+    nodes, starts = backward_starts(tg, label, k, "the backward does not run layer by layer")
+    backward = [nodes[starts[k - 1 - j]:(starts[k - j] if j else len(nodes))] for j in range(k)] + [nodes[:starts[0]]]
+    place.update((n, ("B", j)) for j, seg in enumerate(backward) for n in seg)
+    read_next_door = {a for x in tg.graph.nodes if x in place
+                      for a in x.all_input_nodes if a in place and abs(place[a][1] - place[x][1]) == 1}
+    passed = {(kind, j): [n for n in seg if n in read_next_door]
+              for kind, segs in (("F", forward), ("B", backward)) for j, seg in enumerate(segs)}
+    passed["F", 0] = forward[0][-1:]  # the rest of the first layer's forward is shared (see `Stamper._role`)
+    return Segments(forward, backward, place, passed)
+
+
+def backward_starts(tg: TrainGraph, label: dict[fx.Node, int], count: int, refusal: str) -> tuple[list, list[int]]:
+    """The backward's nodes, and where segments count-1 .. 0 start among them (the backward runs the last
+    first). A backward node belongs to the earliest segment it reads (`label`, given for the forward's
+    nodes, gets the backward's too); NotStampable(`refusal`) unless the segments start in that order."""
+    fset = tg.forward_set()
+    nodes = [n for n in tg.graph.nodes if n not in fset and n.op != "output"]
+    first: dict[int, int] = {}
+    for at, n in enumerate(nodes):
+        reads = [label[a] for a in n.all_input_nodes if a in label]
+        if n not in label and reads:
+            label[n] = min(reads)
+        if n in label:
+            first.setdefault(label[n], at)
+    starts = [first.get(i, -1) for i in range(count - 1, -1, -1)]
+    if sorted(starts) != starts or starts[0] < 0:
+        raise NotStampable(refusal)
+    return nodes, starts
+
+
+class Numbering:
+    """Layer numbers in tensor names: `{decoder list}.{i}.` (`model.layers.3.mlp.up_proj.weight`)."""
+
+    def __init__(self, layers_name: str):
+        self.pattern = re.compile(rf"(?:^|\.){re.escape(layers_name)}\.(\d+)\.")
+
+    def layer(self, name: str) -> int | None:
+        m = self.pattern.search(name)
+        return int(m[1]) if m else None
+
+    def renumber(self, name: str, to: int) -> str:
+        m = self.pattern.search(name)
+        assert m is not None, name
+        return name[:m.start(1)] + str(to) + name[m.end(1):]
+
+
+# ---------------------------------------------------------------------------------------------- stamping
+
+
+class Stamper:
+    """The small trace split by place, each type's two layers checked alike, and the whole step made from it,
+    every layer of the model from its source place: its graph (`graph`), or only its plan (`plan`)."""
+
+    def __init__(self, small: TrainGraph, numbering: Numbering, picked: Picked, full: StepInputs):
+        self.small, self.picked, self.n, self.full = small, picked, picked.n, full
+        self.name_of = dict(zip(small.placeholders(), small.names))
+        self.numbering = numbering
+        self.seg = _segments(small, self.numbering, picked)
+        self.index = {node: i for seg in [*self.seg.forward, *self.seg.backward] for i, node in enumerate(seg)}
+        self.rank = {node: i for seg in self.seg.passed.values() for i, node in enumerate(seg)}
+        self.shared_mark = self.seg.forward[0][-1]
+        for a, b in picked.alike:
+            for kind in ("F", "B"):
+                self._check_alike(kind, a, b)
+
+    def _segment(self, kind: str, place: int) -> list[fx.Node]:
+        return (self.seg.forward if kind == "F" else self.seg.backward)[place]
+
+    # Each argument of a layer's node, by the part it plays; two layers are alike when every node's are equal.
+    def _role(self, arg: object, place: int) -> object:
+        own = self.picked.traced[place]
+        if not isinstance(arg, fx.Node):
+            return ("mark",) if arg == f"{LAYER_MARK}.{own}" else arg
+        if arg.op == "placeholder":
+            name = self.name_of[arg]
+            layer = self.numbering.layer(name)
+            if layer is None:
+                return ("param", name)
+            if layer != own:
+                raise NotStampable(f"layer {own} reads {name}, another layer's parameter")
+            return ("own param", self.numbering.renumber(name, 0))
+        kind, at = self.seg.place[arg]
+        if (kind, at) == ("F", 0) and arg is not self.shared_mark:
+            return ("shared", arg)  # the first place holds what comes before the layers too (rotary tables, masks)
+        if at == place:
+            return ("own", kind, self.index[arg])
+        if abs(at - place) == 1:
+            return ("below" if at < place else "above", kind, self.rank[arg])
+        raise NotStampable(f"layer {own} reads {arg.name}, of a layer not next to it")
+
+    def _roles(self, node: fx.Node, place: int) -> tuple:
+        return node.op, node.target, _mapped((node.args, node.kwargs), lambda a: self._role(a, place))
+
+    def _check_alike(self, kind: str, a: int, b: int) -> None:
+        sa, sb = self._segment(kind, a), self._segment(kind, b)
+        la, lb = self.picked.traced[a], self.picked.traced[b]
+        if len(sa) != len(sb):
+            raise NotStampable(f"layers {la} and {lb} differ in length ({kind})")
+        for x, y in zip(sa, sb):
+            if self._roles(x, a) != self._roles(y, b):
+                raise NotStampable(f"layers {la} and {lb} differ at {x.name} / {y.name}")
+
+    # ------------------------------------------------------------------ the whole graph
+    def graph(self) -> TrainGraph:
+        small, p = self.small, self.picked
+        new = fx.Graph()
+        env: dict[tuple[fx.Node, int], fx.Node] = {}  # (small node, the model's layer it stands for) -> new node
+        places = self._placeholders(new)
+        order = self._order()
+        for node, layer in order:
+            copied = env[node, layer] = copy_node(new, node, functools.partial(self._read, layer=layer, reader=node,
+                                                                                env=env, places=places))
+            if node.target is MARK_OP and layer_index(node) is not None:
+                copied.args = (copied.args[0], f"{LAYER_MARK}.{layer}")
+        new.output(self._outputs(self._output(), env))
+        self._values(new, order, env)
+        gm = _LazyGraphModule(small.gm, new)  # its code is made on its first call: a plan never pays for it
+        boundary = env[small.boundary, p.layer(self.seg.place[small.boundary][1])]
+        return TrainGraph(gm=gm, roles=self._roles_full(), names=self._names_full(), boundary=boundary,
+                          info=small.info)
+
+    def plan(self, policy: Policy | None = None) -> Plan:
+        """`plan(rewrite(self.graph(), policy))` (None: `plan(self.graph())`), to the byte, without making the
+        whole graph: the small trace rewritten, then stamped as the planner sees it (`plan.Storages`).
+        NotStampable where the rewritten trace does not stamp. Only for a policy that treats every layer alike
+        (every:K keeps a layer's mark by its number, so the layer copied does not stand for every other)."""
+        if policy is not None:
+            return Stamper(Rewriter(self.small)(policy), self.numbering, self.picked, self.full).plan()
+        inputs = list(zip(self._roles_full(), self._input_values().values()))
+        return planned(inputs, *self.walked, self.small.info)
+
+    @functools.cached_property
+    def walked(self) -> tuple[int, Order]:
+        """The whole step as the planner sees it: the bytes of the grads it makes, and its node order. Walking
+        it reads every value as `graph` does: the last check that the model stamps (`_read`, `_outputs`)."""
+        made = Storages(functools.cache(sized_storages))
+        places = {name: made.input(("input", name)) for name in self._names_full()}
+        env: dict[tuple[fx.Node, int], int] = {}  # (small node, the model's layer it stands for) -> its position
+        copied = [not self.picked.itself(place) for place in range(self.picked.head + 1)]
+        for node, layer in self._order():
+            read = functools.partial(self._read, layer=layer, reader=node, env=env, places=places)
+            env[node, layer] = made.copy(node, read, new=copied[self.seg.place[node][1]])
+        made.output(list(self._outputs(self._output(), env)))
+        return made.made_grads(), made.order()
+
+    def _order(self) -> list[tuple[fx.Node, int]]:
+        """Every node of the whole graph (placeholders aside) as (the small node it copies, its layer), in the
+        whole trace's order: the layers' forwards, the head's forward and backward, the layers' backwards."""
+        s, p, n = self.seg, self.picked, self.n
+        return [*((x, i) for i in range(n + 1) for x in s.forward[p.source_of(i)]),
+                *((x, i) for i in range(n, -1, -1) for x in s.backward[p.source_of(i)])]
+
+    def _read(self, arg: fx.Node, *, layer: int, reader: fx.Node, env: dict, places: dict[str, Any]) -> Any:
+        """The new node that `reader`, standing for `layer`, reads for the small-trace node `arg`."""
+        p = self.picked
+        at_reader = self.seg.place[reader][1]
+        if arg.op == "placeholder":
+            name = self.name_of[arg]
+            own = self.numbering.layer(name)
+            if own is not None and at_reader != p.head and own == p.traced[at_reader]:
+                name = self.numbering.renumber(name, layer)
+            elif own is not None and not p.itself(p.traced.index(own)):
+                raise NotStampable(f"{reader.name} reads {name}, a copied layer's parameter")
+            return places[name]
+        kind, at = self.seg.place[arg]
+        if at == at_reader:
+            return env[arg, layer]
+        if (kind, at) == ("F", 0) and arg is not self.shared_mark:
+            return env[arg, 0]
+        if abs(at - at_reader) == 1:
+            to = layer + (1 if at > at_reader else -1)  # the layer next to this one in the whole model
+            source = p.source_of(to)
+            if source != at:
+                passed, was = self.seg.passed[kind, source], self.seg.passed[kind, at]
+                if len(passed) != len(was):
+                    raise NotStampable(f"layers {p.traced[source]} and {p.traced[at]} pass on different values")
+                arg = passed[self.rank[arg]]
+            return env[arg, to]
+        if p.itself(at) and p.itself(at_reader):
+            return env[arg, p.layer(at)]
+        raise NotStampable(f"{reader.name} reads {arg.name}, of a layer not next to it")
+
+    # ------------------------------------------------------------------ placeholders and outputs
+    def _names_full(self) -> list[str]:
+        inputs = self.small.names[len(self.small.names) - self._n_inputs():]
+        return [*self.full.trainable, *self.full.frozen, *self.full.buffers, *inputs]
+
+    def _n_inputs(self) -> int:
+        return sum(r in ("input", "state", "grad") for r in self.small.roles)
+
+    def _roles_full(self) -> list[str]:
+        f = self.full
+        return (["trainable"] * len(f.trainable) + ["frozen"] * len(f.frozen) + ["buffer"] * len(f.buffers)
+                + self.small.roles[len(self.small.roles) - self._n_inputs():])
+
+    def _input_values(self) -> dict[str, object]:
+        """The whole step's inputs by name: the model's tensors, then the small trace's own inputs."""
+        small_vals = {name: p.meta["val"] for p, name in zip(self.small.placeholders(), self.small.names)}
+        tensors = {**self.full.trainable, **self.full.frozen, **self.full.buffers}
+        return {name: tensors.get(name, small_vals.get(name)) for name in self._names_full()}
+
+    def _placeholders(self, new: fx.Graph) -> dict[str, fx.Node]:
+        values = self._input_values()
+        mode = next(v.fake_mode for v in values.values() if isinstance(v, FakeTensor))
+        places = {}
+        for i, (name, t) in enumerate(values.items()):
+            p = new.placeholder(f"arg{i}_1")  # make_fx's names
+            p.meta["val"] = t if isinstance(t, FakeTensor) or not isinstance(t, torch.Tensor) else mode.from_tensor(t)
+            places[name] = p
+        return places
+
+    def _output(self) -> fx.Node:
+        return next(x for x in reversed(self.small.graph.nodes) if x.op == "output")
+
+    def _outputs(self, out: fx.Node, env: dict) -> tuple:
+        results = [r for r in out.args[0] if isinstance(r, fx.Node)]  # type: ignore[union-attr]
+        if len(results) != len(out.args[0]):  # type: ignore[arg-type]
+            raise NotStampable("a grad that is not a graph value")
+        p = self.picked
+        loss, *grads = results
+        by_name = dict(zip(self.small.names, grads))  # trainables come first, in the order of the grads
+        new = [env[loss, p.layer(self.seg.place[loss][1])]]
+        for name in self.full.trainable:
+            layer = self.numbering.layer(name)
+            source = p.head if layer is None else p.source[layer]
+            g = by_name[name if layer is None else self.numbering.renumber(name, p.traced[source])]
+            at = self.seg.place[g][1]
+            if at == source:
+                new.append(env[g, p.n if layer is None else layer])
+            elif p.itself(at) and p.itself(source):
+                new.append(env[g, p.layer(at)])
+            else:
+                raise NotStampable(f"the grad of {name} is not made by its own layer")
+        return tuple(new)
+
+    def _values(self, new: fx.Graph, order: list[tuple[fx.Node, int]], env: dict) -> None:
+        """Fake values: each copy's results in storages of their own, laid out as the original's (as a trace
+        would have made them), or in its inputs' where the original's share its inputs' (views, in-place
+        results); a node standing for itself that shares the storage of a copy or a placeholder it reads,
+        likewise."""
+        p = self.picked
+        redone = {n for n in new.nodes if n.op == "placeholder"}  # renumbered: a traced view may read another
+        for node, layer in order:
+            c = env[node, layer]
+            if (not p.itself(self.seg.place[node][1])
+                    or (any(a in redone for a in c.all_input_nodes) and _shares_an_input(node))):
+                c.meta["val"] = copied_value(node, c)
+                redone.add(c)
+
+
+def _shares_an_input(node: fx.Node) -> bool:
+    inputs = {r for a in node.all_input_nodes for r in _storages(a)}
+    return any(r in inputs for r in _storages(node))
+
+
+def _mapped(args: object, fn) -> object:
+    """`args` with every leaf mapped by `fn` (nested tuples, lists and dicts as fx keeps them)."""
+    if isinstance(args, (tuple, list)):
+        return tuple(_mapped(a, fn) for a in args)
+    if isinstance(args, dict):
+        return tuple((k, _mapped(v, fn)) for k, v in args.items())
+    return fn(args)

@@ -1,0 +1,290 @@
+"""transformers' cache interface for the walk: the shapes of every state a model's layers keep, and the cache
+that attention and recurrent layers call over the walk's persistent buffers (beside `hf`, whose functions it uses)."""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any
+
+import torch
+from torch import nn
+from torch._subclasses.fake_tensor import FakeTensor
+from torch.utils._pytree import tree_leaves
+
+from remat.base.settings import one_line
+from remat.models.hf import UnsupportedModel, causal_lm, decoder_layers, decoder_of, prepare
+
+
+def _name(kind: str, layer_idx: int, state_idx: int = 0) -> str:
+    """A carried state's name: `conv.3`, or `conv.3.1` for a layer's second one (Inkling's layers keep four
+    short-convolution states, told apart by `state_idx`)."""
+    return f"{kind}.{layer_idx}" + (f".{state_idx}" if state_idx else "")
+
+
+class _ProbeCache:
+    """The walk's cache interface on an empty cache, recording the shape of every state a layer writes."""
+
+    is_compileable = False
+
+    def __init__(self):
+        self.shapes: dict[str, tuple[int, ...]] = {}
+
+    def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
+        self.shapes[f"k.{layer_idx}"], self.shapes[f"v.{layer_idx}"] = key_states.shape, value_states.shape
+        return key_states, value_states
+
+    def get_query_offset(self, layer_idx: int = 0) -> int:
+        return 0
+
+    def get_mask_sizes(self, query_length: int, layer_idx: int = 0) -> tuple[int, int]:
+        return query_length, 0
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return 0
+
+    def get_conv_state(self, layer_idx: int, state_idx: int = 0):
+        return None
+
+    def get_recurrent_state(self, layer_idx: int, state_idx: int = 0):
+        return None
+
+    def is_recording_past(self, layer_idx: int) -> bool:
+        return False
+
+    def get_recurrent_states_to_keep(self, layer_idx: int | None = None) -> int:
+        return 0  # per-token states are kept only while recording the past, which the walk never does
+
+    def update_conv_state(self, conv_input, layer_idx: int, conv_kernel_size: int, state_idx: int = 0, **kwargs):
+        self.shapes[_name("conv", layer_idx, state_idx)] = (*conv_input.shape[:-1], conv_kernel_size)
+        return torch.cat([conv_input.new_zeros(*conv_input.shape[:-1], conv_kernel_size), conv_input], dim=-1)
+
+    def update_recurrent_state(self, recurrent, layer_idx: int, state_idx: int = 0, **kwargs):
+        self.shapes[_name("recurrent", layer_idx, state_idx)] = recurrent.shape
+        return recurrent
+
+
+class _CarriedStateProbe(_ProbeCache):
+    """The probe cache handing each layer a carried recurrent state (zeros), recording which layers' states
+    reach an op: a scan that never reads the state it is handed starts every chunk from zero."""
+
+    def __init__(self, shapes: dict[str, tuple[int, ...]], dtype: torch.dtype):
+        super().__init__()
+        self.carried = {k: torch.zeros(v, dtype=dtype) for k, v in shapes.items() if k.startswith("recurrent.")}
+        self.read: set[str] = set()
+
+    def get_recurrent_state(self, layer_idx: int, state_idx: int = 0):
+        return self.carried.get(_name("recurrent", layer_idx, state_idx))
+
+
+class _StateReads(torch.overrides.TorchFunctionMode):
+    """Which of the probe's carried states an op takes as an argument (reading a size is not using it)."""
+
+    def __init__(self, probe: _CarriedStateProbe):
+        super().__init__()
+        self.probe = probe
+        self.names = {id(t): k for k, t in probe.carried.items()}
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if getattr(func, "__name__", "") != "__get__":
+            for t in tree_leaves((args, kwargs)):
+                if id(t) in self.names:
+                    self.probe.read.add(self.names[id(t)])
+        return func(*args, **kwargs)
+
+
+def _scans_from_zero(lm: Any, batch: int, shapes: dict[str, tuple[int, ...]]) -> list[int]:
+    """The layers whose sequence scan ignores the recurrent state carried in (Mamba's selective scan takes no
+    initial state): the walk would start each chunk of theirs from zero."""
+    fake = next((p for p in lm.parameters() if isinstance(p, FakeTensor)), None)
+    with fake.fake_mode if fake is not None else contextlib.nullcontext():
+        probe = _CarriedStateProbe(shapes, next(lm.parameters()).dtype)
+    with _StateReads(probe):
+        _run_probe(lm, batch, probe)
+    return sorted({int(k.split(".")[1]) for k in probe.carried.keys() - probe.read})
+
+
+class _PaddedProbeCache(_ProbeCache):
+    """The probe cache laid out as the walk's: after the chunk's K/V rows, `pad` rows of later positions
+    (zeros), which the mask hides."""
+
+    def __init__(self, pad: int):
+        super().__init__()
+        self.pad = pad
+
+    def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
+        def padded(t: torch.Tensor) -> torch.Tensor:
+            return torch.cat([t, t.new_zeros(*t.shape[:2], self.pad, *t.shape[3:])], dim=2)
+
+        return padded(key_states), padded(value_states)
+
+    def get_mask_sizes(self, query_length: int, layer_idx: int = 0) -> tuple[int, int]:
+        return query_length + self.pad, 0
+
+
+def _run_probe(lm: Any, batch: int, cache: _ProbeCache) -> Any:
+    """The decoder on two tokens over a probe cache (in the fake mode of a model built without weights)."""
+    params = [p for p in lm.parameters()]
+    mode = next((p.fake_mode for p in params if isinstance(p, FakeTensor)), None)
+    device = params[0].device
+    ids = torch.zeros(batch, 2, dtype=torch.long, device=device)
+    positions = torch.arange(2, device=device)[None].expand(batch, -1)
+    with torch.no_grad(), mode if mode is not None else contextlib.nullcontext():
+        return decoder_of(lm)(input_ids=ids, position_ids=positions, cache=cache, use_cache=True)
+
+
+def _probe(lm: Any, batch: int) -> dict[str, tuple[int, ...]]:
+    """Run the decoder on two tokens over a probe cache: the shape of every state its layers keep."""
+    cache = _ProbeCache()
+    _run_probe(lm, batch, cache)
+    return cache.shapes
+
+
+def _reads_cache_length(lm: Any, batch: int, ctx: int) -> bool:
+    """Whether the decoder's output changes when its cache holds rows past the chunk's, as the walk's does.
+
+    Attention that follows the mask ignores those rows; attention that cuts its own causal or local
+    mask by the cache's length (assuming the cache ends at the queries: GPT-Neo) attends elsewhere.
+    A model without weights (fake) has no values to compare.
+    """
+    if ctx <= 2 or any(isinstance(p, FakeTensor) for p in lm.parameters()):
+        return False
+    training = {m: m.training for m in lm.modules()}
+    lm.eval()  # dropout and sampled routing off: the two runs must draw nothing
+    try:
+        plain, padded = (_run_probe(lm, batch, c)[0] for c in (_ProbeCache(), _PaddedProbeCache(ctx - 2)))
+    finally:
+        for m, mode in training.items():
+            m.training = mode
+    return not torch.allclose(plain, padded, rtol=1e-4, atol=1e-5)
+
+
+def state_shapes(model: nn.Module, batch: int, ctx: int) -> dict[str, tuple[int, ...]]:
+    """Name -> shape of every cache and state tensor the walk keeps for a window of `ctx` tokens.
+
+    Read off the model itself: its decoder runs on two tokens over a probe cache, and each
+    attention layer's K/V (full window: sliding-window layers keep every row and apply their
+    window in the mask), conv state and recurrent state is recorded as the layer writes it.
+    Refuses, naming the feature, what a chunk cannot carry over to the next.
+    """
+    lm = causal_lm(model)
+    prepare(lm)
+    if getattr(lm.config, "output_router_logits", False):
+        raise UnsupportedModel("the walk path does not support a router aux loss (output_router_logits): "
+                               "it is a function of the whole window's routing")
+    cached = lm.__dict__.setdefault("_remat_state_shapes", {})
+    if batch not in cached:
+        try:
+            cached[batch] = _probe(lm, batch)
+        except (AttributeError, TypeError, NotImplementedError, ValueError, RuntimeError) as e:
+            raise UnsupportedModel(f"the walk path does not support {lm.config.model_type}: its layers call the "
+                                   f"cache in a way the walk does not know ({type(e).__name__}: "
+                                   f"{one_line(e, 160)})") from None
+    shapes = cached[batch]
+    reads_length = lm.__dict__.setdefault("_remat_reads_cache_length", {})  # ctx -> the answer, asked once
+    if ctx not in reads_length:
+        reads_length[ctx] = any(k.startswith("k.") for k in shapes) and _reads_cache_length(lm, 1, ctx)
+    if reads_length[ctx]:
+        raise UnsupportedModel(f"the walk path does not support {lm.config.model_type}: its attention masks by the "
+                               "cache's length, not by positions (the walk's cache holds the whole window)")
+    if any(k.startswith("recurrent.") for k in shapes):
+        from_zero = lm.__dict__.setdefault("_remat_scans_from_zero", {})
+        if batch not in from_zero:
+            from_zero[batch] = _scans_from_zero(lm, batch, shapes)
+        if from_zero[batch]:
+            layer = decoder_layers(lm)[from_zero[batch][0]]
+            raise UnsupportedModel(f"the walk path does not support {type(layer).__name__} layers: their sequence "
+                                   "scan does not start from the state carried in from the previous chunk")
+    if not shapes:
+        raise UnsupportedModel(f"the walk path does not support {lm.config.model_type}: its layers keep no cache")
+    return {k: (*v[:2], ctx, *v[3:]) if k[:2] in ("k.", "v.") else tuple(v) for k, v in shapes.items()}
+
+
+class WalkCache:
+    """The cache interface transformers' attention and recurrent layers call, over placeholder tensors."""
+
+    is_compileable = False
+
+    def __init__(self, state: dict[str, torch.Tensor], offset: torch.Tensor, chunk: int):
+        self.state, self.offset = state, offset
+        self.ctx = next((t.shape[2] for k, t in state.items() if k.startswith("k.")), 0)
+        self.positions = offset + torch.arange(chunk, device=offset.device)
+
+    # attention layers
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
+        keys, values = self.state[f"k.{layer_idx}"], self.state[f"v.{layer_idx}"]
+        keys.index_copy_(2, self.positions, key_states)
+        values.index_copy_(2, self.positions, value_states)
+        return keys, values
+
+    def get_query_offset(self, layer_idx: int = 0) -> torch.Tensor:
+        return self.offset
+
+    def get_mask_sizes(self, query_length: int, layer_idx: int = 0) -> tuple[int, int]:
+        return self.ctx, 0  # every attention layer, sliding ones too, attends over the whole window's cache
+
+    def get_seq_length(self, layer_idx: int = 0) -> torch.Tensor:
+        return self.offset
+
+    # gated delta-net layers
+    def get_conv_state(self, layer_idx: int, state_idx: int = 0) -> torch.Tensor:
+        return self.state[_name("conv", layer_idx, state_idx)]
+
+    def get_recurrent_state(self, layer_idx: int, state_idx: int = 0) -> torch.Tensor:
+        # A copy: the delta rule's backward needs the state as it was at the chunk's start,
+        # and this chunk overwrites the buffer in place (autograd refuses a saved tensor that
+        # changed). The copy reads the buffer before that write, so the rewrite keeps it.
+        return self.state[_name("recurrent", layer_idx, state_idx)].clone()
+
+    def is_recording_past(self, layer_idx: int) -> bool:
+        return False
+
+    def get_recurrent_states_to_keep(self, layer_idx: int | None = None) -> int:
+        return 0
+
+    def update_conv_state(self, conv_input: torch.Tensor, layer_idx: int, conv_kernel_size: int, state_idx: int = 0,
+                          **kwargs):
+        conv = self.state[_name("conv", layer_idx, state_idx)]
+        full = torch.cat([conv, conv_input], dim=-1)  # the previous chunk's last columns, then this chunk
+        conv.copy_(full[..., -conv_kernel_size:].detach())
+        return full
+
+    def update_recurrent_state(self, recurrent: torch.Tensor, layer_idx: int, state_idx: int = 0,
+                               **kwargs) -> torch.Tensor:
+        state = self.state[_name("recurrent", layer_idx, state_idx)]
+        state.copy_(recurrent.detach())
+        return state
+
+
+class ExactWalkCache(WalkCache):
+    """The exact walk's cache for one chunk's step in the reverse sweep (`remat.training.walk`).
+
+    It writes nothing: the window's K/V rows are in the cache already (the forward sweep wrote them)
+    and the chunk starts from the state recorded for it. This chunk's own K/V rows are put in place
+    out of place, so that its queries' gradient reaches them; `made` holds what the chunk adds (its
+    K/V rows, its end state), where later chunks' gradient arrives.
+    """
+
+    def __init__(self, state: dict[str, torch.Tensor], offset: torch.Tensor, chunk: int):
+        super().__init__(state, offset, chunk)
+        self.made: dict[str, torch.Tensor] = {}
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
+        k, v = f"k.{layer_idx}", f"v.{layer_idx}"
+        self.made[k], self.made[v] = key_states, value_states
+        return (self.state[k].index_copy(2, self.positions, key_states),
+                self.state[v].index_copy(2, self.positions, value_states))
+
+    def get_recurrent_state(self, layer_idx: int, state_idx: int = 0) -> torch.Tensor:
+        return self.state[_name("recurrent", layer_idx, state_idx)]  # nothing overwrites it in this step
+
+    def update_conv_state(self, conv_input: torch.Tensor, layer_idx: int, conv_kernel_size: int, state_idx: int = 0,
+                          **kwargs):
+        full = torch.cat([self.state[_name("conv", layer_idx, state_idx)], conv_input], dim=-1)
+        self.made[_name("conv", layer_idx, state_idx)] = full[..., -conv_kernel_size:]
+        return full
+
+    def update_recurrent_state(self, recurrent: torch.Tensor, layer_idx: int, state_idx: int = 0,
+                               **kwargs) -> torch.Tensor:
+        self.made[_name("recurrent", layer_idx, state_idx)] = recurrent
+        return recurrent

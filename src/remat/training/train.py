@@ -1,0 +1,278 @@
+"""The trainer: data -> windows -> one traced step per batch shape -> AdamW -> receipt.
+
+A reader sees the whole loop in `finetune`: load, plan and gate, then for each batch
+run the (rewritten) graph, hand its grads to the optimizer, and record the loss.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from remat.base.files import staged
+from remat.base.settings import RematError, TrainSettings, UsageError, percentile
+from remat.core.graph import StepInputs, TrainGraph
+from remat.core.plan import (
+    Measured,
+    available_memory,
+    measure,
+    per_rank,
+    preflight,
+    process_peak,
+    resident,
+    return_freed_memory,
+    trim_heap,
+)
+from remat.models import adapters
+from remat.models import load as models
+from remat.models.hf import UnsupportedModel
+from remat.training import checkpoints, data, distributed, step, walk
+
+
+@dataclass
+class Hooks:
+    """Calls a caller (the CLI, the server) gets: the gate's answer, before each chunk (it may wait, or raise
+    Cancelled), after each step."""
+
+    before_chunk: Callable[[], None] = lambda: None
+    on_step: Callable[[dict], None] = lambda event: None
+    on_plan: Callable[[dict], None] = lambda gate: None  # the gate's answer, before the first step (main rank)
+    # The gate's answer from the model's config, before its weights load (main rank): plans in seconds, without
+    # the trace's own memory. None: not asked (it costs a planning trace; the server gates its jobs itself).
+    on_early_plan: Callable[[dict], None] | None = None
+
+
+class BatchRunner:
+    """Runs one batch of windows through the step graph: as one chunk (window path) or ctx/ubatch chunks (walk)."""
+
+    def __init__(self, model: torch.nn.Module, graph: TrainGraph, s: TrainSettings, hooks: Hooks):
+        self.graph, self.s, self.hooks = graph, s, hooks
+        self.tensors = StepInputs.of(model)
+        self.walk = walk.Walk(model, s.batch, s.ctx, s.ubatch, s.walk == "exact") if s.path == "walk" else None
+        self.measured: Measured | None = None
+        self.chunk_seconds: list[float] = []
+
+    def run(self, input_ids: torch.Tensor, labels: torch.Tensor) -> tuple[float, list[torch.Tensor]]:
+        if self.walk is None:
+            return self._chunk([input_ids, labels])
+        loss, grads = 0.0, list[torch.Tensor]()
+        for inputs in self.walk.chunks(input_ids, labels, self.hooks.before_chunk):
+            chunk_loss, grads = self._chunk(inputs)  # each chunk adds into the window's sums and returns them
+            loss += chunk_loss
+        return loss, grads
+
+    def _chunk(self, inputs: list[torch.Tensor]) -> tuple[float, list[torch.Tensor]]:
+        self.hooks.before_chunk()
+        t0 = time.perf_counter()
+        args = self.tensors.args(*inputs)
+        if self.measured is None:  # the first chunk runs observed: the receipt's measured peak
+            (loss, *grads), self.measured = measure(self.graph, args)
+        else:
+            loss, grads = self.graph(*args)
+        self.chunk_seconds.append(time.perf_counter() - t0)
+        return loss.item(), grads
+
+
+@dataclass
+class Receipt:
+    """What a run did, in figures: the one place its keys are named (`as_dict` is the JSON the CLI prints)."""
+
+    model: str
+    losses: list[float]
+    recompute: bool
+    policy: str  # what is saved for the backward: off, on, dots, every:K, or a budget's choice
+    recompute_reason: str
+    plan: dict[str, int]  # the plan that ran
+    plans: dict[str, dict[str, int]]  # the plans the gate needed
+    measured: dict[str, int] | None  # the graph's peak, observed on the first chunk
+    process_peak: dict[str, int]  # the whole process at the end: peak RSS (and CUDA's allocator peaks)
+    trainable_parameters: int
+    frozen_parameters: int
+    seconds_per_epoch: float
+    tokens_per_second: float
+    chunk_seconds: list[float]
+    settings: dict
+    resumed_from: str | None = None
+    checkpoints: list[str] = field(default_factory=list)
+    outputs: list[str] = field(default_factory=list)
+    world_size: int = 1  # processes of a data-parallel run; then `plan` and `plans` are one rank's
+    optimizer_state_bytes: list[int] = field(default_factory=list)  # per rank, its optimizer's real state tensors
+
+    @property
+    def steps(self) -> int:
+        return len(self.losses)
+
+    def as_dict(self) -> dict:
+        chunks = self.chunk_seconds
+        return {**asdict(self), "steps": self.steps, "chunks": len(chunks),
+                "window_p50": percentile(chunks, 0.5) if chunks else None,
+                "window_p95": percentile(chunks, 0.95) if chunks else None}
+
+
+def finetune(s: TrainSettings, *, progress: bool = True, hooks: Hooks | None = None) -> Receipt:
+    """Train as `s` says and return the receipt; under torchrun, on every rank (see `remat.training.distributed`)."""
+    distributed.from_env().local(s)  # a batch that does not split ends every rank before any joins (no race)
+    with distributed.group(s.dist_timeout) as ranks:
+        return _finetune(s, ranks, progress=progress and ranks.is_main, hooks=hooks or Hooks())
+
+
+def _finetune(s: TrainSettings, dp: distributed.Ranks, *, progress: bool, hooks: Hooks) -> Receipt:
+    local = dp.local(s)  # what one rank traces and runs: its share of the global batch (one process: s)
+    return_freed_memory()  # the process peak then follows what is live, as the plan counts it
+    runtime = resident()  # the process before the model: the plans' `runtime`; free memory excludes it
+    budget = s.memory_budget or dp.budget(available_memory())  # read before the model takes its share
+    out = Path(s.out) if s.out else None
+    if out and out.exists() and (not out.is_dir() or any(out.iterdir())) and not s.resume:
+        raise UsageError(f"--out {out} exists and is not an empty folder")
+    resume = checkpoints.latest(s.resume) if s.resume else None
+    records = data.Records.of(s.data if s.data is not None else data.default_data_path())  # bad data: refused first
+    shape = step.StepShape.of(local)
+    if hooks.on_early_plan is not None:
+        _early_gate(s, shape, dp, budget, runtime, hooks.on_early_plan)
+        planned_at = resident()  # what planning left in the process (the modules it imported, caches) stays
+        if s.memory_budget is None:
+            budget -= max(0, planned_at - runtime)
+        runtime = planned_at
+    torch.manual_seed(s.seed)
+    loaded = models.load_model(s.model)  # a preset's weights are fixed: the seed is the run's, not the base's
+    models.check_ctx(s.ctx, loaded.model.config)
+    windows = data.load_windows(records, loaded.tokenizer, s.ctx, s.batch, pack=s.pack)
+    per_epoch, total = s.optimizer_steps(len(windows))
+    model: torch.nn.Module = loaded.model
+    lora = step.lora_settings(s)
+    if lora is not None:
+        step.refuse_lora_over(model, lora, budget)
+        model = adapters.apply_lora(model, lora, seed=s.seed)
+    dp.seed(s.seed)
+
+    before = resident()
+    for name in ("off", "on"):  # traced once for every plan (the gate shows both): what they hold stays, code too
+        step.build(model, shape, name).make_code()
+    trace = resident() - before
+    if s.memory_budget is None:  # the free memory was read before the trace took its share
+        budget -= trace
+    with per_rank(dp.world_size):  # the gate counts one rank's memory: its share of the optimizer state
+        choice = step.choose(model, shape, s.recompute, budget)
+    for p in choice.plans.values():  # the budget covers what the job allocates; the total, the whole process
+        p.runtime, p.trace = runtime, trace
+    if dp.is_main:
+        hooks.on_plan(_answer(choice, budget))
+    graph = step.build(model, shape, choice.policy)
+    preflight(graph, next(model.parameters()).device)
+    tensors = StepInputs.of(model)
+    params = list(tensors.trainable.values())
+    optimizer = dp.optimizer(params, lr=s.learning_rate, weight_decay=0.0)
+    runner = BatchRunner(model, graph, local, hooks)
+
+    losses: list[float] = checkpoints.restore(resume, tensors.trainable, optimizer, rank=dp.rank,
+                                              world_size=dp.world_size) if resume else []
+    bar = tqdm(total=total, initial=len(losses), desc="finetune", unit="step", file=sys.stderr,
+               disable=not progress)
+    start = time.perf_counter()
+    batches, epoch_of_batches, saved = [], -1, []
+    for n in range(len(losses), total):
+        epoch, i = divmod(n, per_epoch)
+        if epoch != epoch_of_batches:
+            batches, epoch_of_batches = data.batches(windows, s.batch, seed=s.seed, epoch=epoch), epoch
+        # No local may hold the grads past the optimizer: zero_grad(set_to_none) must free them before the
+        # next step's graph runs (a held set cost one params-sized copy of process memory).
+        step_loss = set_grads(params, runner, batches[i * s.accumulate:(i + 1) * s.accumulate], dp)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        losses.append(step_loss)
+        tokens = (len(losses) - (resume.step if resume else 0)) * s.accumulate * s.batch * s.ctx
+        bar.set_postfix(loss=f"{step_loss:.4f}", tok_s=f"{tokens / (time.perf_counter() - start):.0f}")
+        bar.update()
+        hooks.on_step({"epoch": epoch, "step": len(losses), "loss": step_loss, "steps": total})
+        if s.save_every and out and len(losses) % s.save_every == 0:
+            saved.append(str(dp.save_checkpoint(out, len(losses), tensors.trainable, optimizer, losses)))
+    bar.close()
+    elapsed = time.perf_counter() - start
+    trained = len(losses) - (resume.step if resume else 0)
+
+    return Receipt(
+        model=loaded.name, losses=losses, recompute=choice.policy != "off", policy=choice.policy,
+        recompute_reason=choice.reason, plan=choice.plan.as_dict(),
+        plans={k: p.as_dict() for k, p in choice.plans.items()},
+        measured=runner.measured.as_dict() if runner.measured else None,
+        process_peak=process_peak(),
+        trainable_parameters=sum(p.numel() for p in params),
+        frozen_parameters=sum(t.numel() for t in tensors.frozen.values()),
+        seconds_per_epoch=elapsed / max(trained, 1) * per_epoch,
+        tokens_per_second=trained * s.accumulate * s.batch * s.ctx / elapsed,
+        chunk_seconds=runner.chunk_seconds,
+        settings={**s.model_dump(), "lr": s.learning_rate, "memory_budget": budget,
+                  "data": s.data if isinstance(s.data, str) or s.data is None else "<records>"},
+        resumed_from=str(resume.path) if resume else None,
+        checkpoints=saved,
+        outputs=save_outputs(model, loaded, s, out) if out and dp.is_main else [],
+        world_size=dp.world_size,
+        optimizer_state_bytes=dp.optimizer_state_bytes(optimizer),
+    )
+
+
+def _early_gate(s: TrainSettings, shape: step.StepShape, dp: distributed.Ranks, budget: int, runtime: int,
+                show: Callable[[dict], None]) -> None:
+    """The gate on the model's shapes (`step.planning_model`: its config, fake weights), before its weights
+    load: a job that cannot fit is refused before anything of its size is allocated, and the plans show in
+    seconds. Every rank asks (each would refuse alike); the gate runs again once the step is traced."""
+    config = models.load_config(s.model)
+    models.check_ctx(s.ctx, config)
+    try:
+        model = step.planning_model(config, s, budget)
+        with per_rank(dp.world_size):
+            choice = step.choose(model, shape, s.recompute, budget)
+    except (RematError, UnsupportedModel):  # the traced gate would say the same, after loading the weights
+        raise
+    except Exception:  # noqa: BLE001 - a family whose code does not run on fake weights: the traced gate answers
+        return
+    for p in choice.plans.values():
+        p.runtime = runtime
+    if dp.is_main:
+        show(_answer(choice, budget))
+    del model, choice
+    trim_heap()  # what the planning held goes back to the kernel: the trace's share is measured from here
+
+
+def _answer(choice: step.Choice, budget: int) -> dict:
+    return {"policy": choice.policy, "recompute_reason": choice.reason, "budget": budget,
+            "plans": {k: p.as_dict() for k, p in choice.plans.items()}}
+
+
+def set_grads(params: list[torch.Tensor], runner: BatchRunner, batches: list,
+              dp: distributed.Ranks = distributed.ONE) -> float:
+    """Run the batches of one optimizer step, set each parameter's .grad to their mean; -> the mean loss.
+
+    Data-parallel, each rank runs its windows of each batch, weighted by its share of the batch's targets;
+    the sum over ranks is the 1-process mean."""
+    step_loss, grads = 0.0, list[torch.Tensor]()
+    for batch in batches:
+        part = dp.part(*batch)
+        loss, g = part.weigh(*runner.run(part.input_ids, part.labels))
+        step_loss += loss / len(batches)
+        grads = [a.add_(b) for a, b in zip(grads, g)] if grads else g
+    step_loss = dp.all_reduce(step_loss, grads)
+    for p, total in zip(params, grads):
+        p.grad = total.div_(len(batches)) if len(batches) > 1 else total
+    return step_loss
+
+
+def save_outputs(model: torch.nn.Module, loaded: models.LoadedModel, s: TrainSettings, out: Path) -> list[str]:
+    """The trained adapter (PEFT + GGUF) or full model (HF layout) into `out`, each file moved in whole."""
+    with staged(out, mode="merge") as staging:
+        if s.lora:
+            gguf = models.default_gguf_path() if s.model is None else (
+                Path(s.model) if str(s.model).endswith(".gguf") else None)
+            adapters.save_adapter(model, staging,  # type: ignore[arg-type]  # a PeftModel when s.lora
+                                  base_name=s.model or adapters.DEFAULT_BASE, base_gguf=gguf)
+        else:
+            loaded.model.save_pretrained(staging, safe_serialization=True)
+            loaded.tokenizer.save_pretrained(staging)
+        files = sorted(str(out / f.name) for f in staging.iterdir())
+    return files
