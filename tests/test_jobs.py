@@ -129,9 +129,8 @@ def test_cancel_while_yielding_and_while_queued(tmp_path):
             time.sleep(0.01)
         time.sleep(0.1)
         assert m.get(a["id"])["yielding"] and m.get(a["id"])["step"] == 0
-        start = time.monotonic()
-        assert m.cancel(a["id"], wait=5)["status"] == "cancelled"
-        assert time.monotonic() - start < 1.0
+        assert m.cancel(a["id"], wait=5)["status"] == "cancelled"  # out of the scheduler's wait, not after a step
+        assert m.get(a["id"])["step"] == 0 and [e["event"] for e in m.events_since(a["id"])][-1] == "cancelled"
         assert [e["event"] for e in m.events_since(b["id"])] == ["queued", "cancelled"]
     finally:
         scheduler.decode_end()
