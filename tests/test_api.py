@@ -73,3 +73,27 @@ def test_the_steps_loss_and_grads_are_the_models_own(get_case):
     torch.testing.assert_close(loss, eager, rtol=1e-5, atol=0)
     for name, g, e in zip(inputs.trainable, grads, eager_grads):
         torch.testing.assert_close(g, e, rtol=1e-5, atol=1e-7, msg=name)
+
+
+def test_nothing_is_kept_on_the_model(get_case):
+    """After plans, a budget search, a walk and a run, no module of the model (nor PEFT's wrapper) carries remat's
+    state: the planner holds its caches. What `prepare` puts on (its layer hooks) is documented and undone."""
+    from remat.models.adapters import LoraSettings, apply_lora
+    from remat.training.walk import Walk
+
+    c = get_case("tiny-qwen35")
+    model = apply_lora(remat.load_model("tiny-qwen35").model, LoraSettings())
+    planner = remat.Planner(model)
+    window = remat.StepShape("window", *c.ids.shape, None, 0)
+    walk = remat.StepShape("walk", c.ids.shape[0], c.ids.shape[1], 32, 0, "exact")
+    planner.plans(window, ("off", "on", "dots", "every:2"))
+    budget = planner.plans(window, ("on", "off"))
+    planner.choose(window, "budget", (budget["on"].total + budget["off"].total) // 2)
+    planner.build(window, "on")(*remat.StepInputs.of(model).args(c.ids, c.labels))
+    planner.plans(walk)
+    Walk(model, c.ids.shape[0], c.ids.shape[1], 32, True, planner.probes)
+    kept = [f"{name or 'model'}.{k}" for name, m in [("", model), *model.named_modules()] for k in vars(m)
+            if k.startswith("_remat")]
+    assert kept == [], kept
+    remat.unprepare(model)
+    assert not any(m._forward_hooks for m in model.modules())

@@ -115,6 +115,14 @@ def test_files_and_functions_fit_in_the_head(path: Path):
     assert not long, long
 
 
+def test_no_context_variable_carries_a_setting():
+    """State passes as arguments: the one context variable is the memory tracker's stack of watchers (an op's
+    workspace reported to whoever measures around it), not a setting such as the world size."""
+    made = [f"{_module(p)}: {ast.unparse(n)}" for p in FILES for n in ast.walk(ast.parse(p.read_text()))
+            if isinstance(n, ast.Call) and ast.unparse(n.func).endswith("ContextVar")]
+    assert len(made) == 1 and "remat_held_inside" in made[0], made
+
+
 def test_the_layer_rule_catches_an_upward_import(tmp_path):
     """The rule itself: a core module importing the trainer is upward."""
     assert _layer("remat.core.plan") < _layer("remat.training.train") < _layer("remat.cli")

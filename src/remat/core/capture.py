@@ -23,12 +23,6 @@ from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
 from remat.core.graph import StepInputs, TrainGraph, Workspaces, laid_out_on, tensors_in
 
-_traces = {"count": 0}  # traces made in this process: an epoch must not trace more than once
-
-
-def trace_count() -> int:
-    return _traces["count"]
-
 
 class Unrecordable(Exception):
     """A recorder (`trace`'s `recorder`) cannot follow this step: make_fx traces it instead."""
@@ -93,7 +87,6 @@ def trace(model: nn.Module, loss_fn, inputs: dict[str, tuple[str, torch.Tensor]]
             # The torch-function metadata mode only names each node's torch call in its meta (read by nothing
             # here), and intercepting every call cost 7 % of a trace.
             gm = make_fx(step, _disable_torch_fn_metadata_mode=True)(*example)
-    _traces["count"] += 1
     sum_in_place(gm, boundary[0])
     return TrainGraph(gm=gm, roles=roles, names=[*model_names, *inputs, *sum_names], boundary=boundary[0],
                       info=info or {}, workspaces=workspaces or {})

@@ -155,39 +155,8 @@ def _lifetimes(tg: TrainGraph) -> tuple[list[fx.Node], Lives, set]:
     return nodes, lives(held, last_read, inputs, outputs, [tg.workspace(n) for n in nodes]), outputs
 
 
-def live_at_peak(tg: TrainGraph, outputs: bool = False) -> tuple[int, fx.Node | None, list[tuple[fx.Node, int]]]:
-    """The peak of graph-allocated bytes (with `outputs`, and the outputs made so far), the node where it is
-    reached, and what is live then."""
-    nodes, life, kept = _lifetimes(tg)
-    peak, at, live = _sweep(len(nodes), life, frozenset() if outputs else kept)
-    return peak, None if at is None else nodes[at], [(nodes[maker], size) for maker, size in live]
-
-
-def _sweep(count: int, life: Lives, skip: Set) -> tuple[int, int | None, list[tuple[int, int]]]:
-    """The peak of live bytes over `count` positions, where it is, and what is live then (maker, bytes)."""
-    made_at: dict[int, list[Hashable]] = {}
-    frees_at: dict[int, list[Hashable]] = {}
-    for s, (maker, _, end) in life.items():
-        if s not in skip:
-            made_at.setdefault(maker, []).append(s)
-            frees_at.setdefault(end, []).append(s)
-    live: set[Hashable] = set()
-    total = peak = 0
-    peak_at, peak_set = None, set()
-    for i in range(count):
-        for s in made_at.get(i, ()):
-            live.add(s)
-            total += life[s][1]
-        if total > peak:
-            peak, peak_at, peak_set = total, i, set(live)
-        for s in frees_at.get(i, ()):
-            live.discard(s)
-            total -= life[s][1]
-    return peak, peak_at, sorted(((life[s][0], life[s][1]) for s in peak_set), key=lambda x: -x[1])
-
-
 def _peaks(count: int, life: Lives, outputs: Set) -> tuple[int, int]:
-    """`_sweep`'s peak without the `outputs` (`graph`) and with them (`step`), in one pass that does not keep
+    """The peak of live bytes without the `outputs` (`graph`) and with them (`step`), in one pass that does not keep
     what is live: a plan needs only the two figures."""
     made, freed = [0] * (count + 1), [0] * (count + 1)  # all storages' bytes, made and freed at each position
     made_out, freed_out = [0] * (count + 1), [0] * (count + 1)  # the outputs' alone
@@ -205,11 +174,6 @@ def _peaks(count: int, life: Lives, outputs: Set) -> tuple[int, int]:
         total -= freed[i]
         out -= freed_out[i]
     return graph, step
-
-
-def graph_peak(tg: TrainGraph) -> int:
-    """Peak live bytes of graph-allocated storages over the node order."""
-    return live_at_peak(tg)[0]
 
 
 def _made_grads(tg: TrainGraph) -> int:
