@@ -1,5 +1,6 @@
 """The OpenAPI document describes the server: every route's request, answers and errors; schemathesis
-(`--checks all`) against a real server finds no failure of any kind."""
+(`--checks all`, every phase: examples, coverage, fuzzing and stateful) against a real server finds no failure
+of any kind."""
 
 from __future__ import annotations
 
@@ -117,7 +118,7 @@ def test_schemathesis_finds_no_failure(server, tmp_path):
     config = tmp_path / "schemathesis.toml"
     config.write_text(CONFIG)
     cmd = [schemathesis_cli(), "--config-file", str(config), "run", f"http://127.0.0.1:{server.port}/openapi.json",
-           "--checks", "all", "--phases", "coverage,fuzzing", "--max-examples", "2", "--seed", "19",
+           "--checks", "all", "--phases", "examples,coverage,fuzzing,stateful", "--max-examples", "2", "--seed", "19",
            "--no-shrink", "--workers", "1", "--request-timeout", "30"]
     try:
         out = subprocess.run(cmd, capture_output=True, text=True, timeout=600, check=False, cwd=tmp_path)
