@@ -8,11 +8,11 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from remat.core.capture import capture
 from remat.core.graph import StepInputs, TrainGraph
 from remat.core.recompute import rewrite
 from remat.models.hf import causal_lm_loss
 from remat.models.load import LoadedModel, load_model
+from remat.models.steps import window_step
 
 PRESETS = ("tiny-llama", "tiny-qwen35")
 BATCH, CTX = 2, 64
@@ -70,7 +70,7 @@ def new_case(name: str, *, num_layers: int | None = None, prepare=None) -> Case:
     if prepare is not None:
         prepare(lm.model)
     ids, labels = random_batch(len(lm.tokenizer))
-    return Case(lm, ids, labels, capture(lm.model, ids, labels))
+    return Case(lm, ids, labels, window_step(lm.model, ids, labels))
 
 
 @pytest.fixture(scope="module")

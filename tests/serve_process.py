@@ -1,4 +1,4 @@
-"""`python -m remat.serve.app --model tiny-llama` in a subprocess, and a small HTTP client for it: the one
+"""`python -m remat serve --model tiny-llama` in a subprocess, and a small HTTP client for it: the one
 harness the server's tests (`test_serve`, `test_server_*`, `test_page`) share."""
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ def free_port() -> int:
 
 
 class Server:
-    """`python -m remat.serve.app` in a subprocess, and a small HTTP client for it."""
+    """`python -m remat serve` in a subprocess, and a small HTTP client for it."""
 
     def __init__(self, state_dir: Path, *args: str, key: str | None = None):
         self.state_dir, self.args, self.key = Path(state_dir), args, key
@@ -35,7 +35,7 @@ class Server:
         self.loading: list = []  # what /health said before it was ready
 
     def spawn(self) -> Server:
-        cmd = [sys.executable, "-m", "remat.serve.app", "--model", MODEL, "--port", str(self.port),
+        cmd = [sys.executable, "-m", "remat", "serve", "--model", MODEL, "--port", str(self.port),
                "--state-dir", str(self.state_dir), "--threads", "1", *self.args]
         with open(self.log, "ab") as log:
             self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)

@@ -150,23 +150,23 @@ def test_resuming_a_job_while_another_trains(tmp_path, monkeypatch):
     stopped = m.submit({**SMALL, "steps": 3})
     assert m.cancel(stopped["id"], wait=0)["status"] == "cancelled"
     wait_for(m, running["id"], "step")
-    record, in_step = m._on_step, threading.Event()
+    record, in_step = m.worker._on_step, threading.Event()
 
     def once_a_planner_waits(*args) -> None:
         in_step.set()
         deadline = time.monotonic() + 5
-        while not m._planners and time.monotonic() < deadline:
+        while not m.torch.waiting and time.monotonic() < deadline:
             time.sleep(0.001)
         record(*args)
 
-    monkeypatch.setattr(m, "_on_step", once_a_planner_waits)
+    monkeypatch.setattr(m.worker, "_on_step", once_a_planner_waits)
     assert in_step.wait(30)
     answer: list[dict] = []
     resume = threading.Thread(target=lambda: answer.append(m.resume(stopped["id"])), daemon=True)
     resume.start()
     resume.join(60)
     assert answer and answer[0]["status"] == "queued", "the resume and the trainer wait for each other"
-    monkeypatch.setattr(m, "_on_step", record)
+    monkeypatch.setattr(m.worker, "_on_step", record)
     step = m.get(running["id"])["step"]
     wait_for(m, running["id"], "step", after=m.events_since(running["id"])[-1]["id"])
     assert m.get(running["id"])["step"] > step  # the trainer goes on
@@ -282,17 +282,17 @@ def test_a_default_job_is_planned_as_the_manager_starts(tmp_path, monkeypatch):
     manager starts: its planning model (fake weights, the default LoRA) and the plans of its shape. That
     request traces nothing; a job of another shape traces once, and one with another LoRA gets its own model."""
     from remat.core import capture
-    from remat.training import step
+    from remat.training import gate
 
     built: list[bool] = []
-    make = step.planning_model
-    monkeypatch.setattr(step, "planning_model", lambda config, s: built.append(s.lora) or make(config, s))
+    make = gate.Planner
+    monkeypatch.setattr(gate, "Planner", lambda model: built.append(hasattr(model, "peft_config")) or make(model))
     m = new_manager(tmp_path)
     try:
         deadline = time.monotonic() + 60
         while not built and time.monotonic() < deadline:
             time.sleep(0.05)
-        with m._planning():  # the start's planning done
+        with m.torch.planning():  # the start's planning done
             traces = capture.trace_count()
         assert built == [True]
         defaults = m.plan({"data": RECORDS})
@@ -316,10 +316,9 @@ def test_a_lora_made_while_the_server_loads_an_adapter_keeps_its_weights(tmp_pat
     import peft
     from peft.utils.integrations import init_empty_weights
 
+    from planning import planner_of
     from remat.base.settings import TrainSettings
-    from remat.models import load as models
     from remat.serve.engine import Engine
-    from remat.training import step
 
     engine = Engine("tiny-llama", n_ctx=64, scheduler=Scheduler())
     engine.load()
@@ -342,7 +341,7 @@ def test_a_lora_made_while_the_server_loads_an_adapter_keeps_its_weights(tmp_pat
     loader = threading.Thread(target=load)
     loader.start()
     assert loading.wait(30)
-    model = step.planning_model(models.load_config("tiny-llama"), TrainSettings(model="tiny-llama", out="x"))
+    model = planner_of(TrainSettings(model="tiny-llama", out="x")).model
     made.set()
     loader.join()
     assert refused == [400]

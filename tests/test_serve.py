@@ -580,7 +580,7 @@ def test_kill_and_restart(tmp_path):
 
 
 def test_bad_model_exits(tmp_path):
-    out = subprocess.run([sys.executable, "-m", "remat.serve.app", "--model", "no-such-model", "--port",
+    out = subprocess.run([sys.executable, "-m", "remat", "serve", "--model", "no-such-model", "--port",
                           str(free_port()), "--state-dir", str(tmp_path)], capture_output=True, text=True,
                          timeout=120, check=False)
     assert out.returncode == 2 and "no-such-model" in out.stderr and "Traceback" not in out.stderr

@@ -10,15 +10,17 @@ import torch
 from torch import fx
 
 import conformance as C
+from planning import planner_of
 from remat.base.settings import TrainSettings
 from remat.core import policies
-from remat.core.capture import EagerStridesFakeMode, capture
+from remat.core.capture import EagerStridesFakeMode
 from remat.core.graph import TrainGraph, tensors_in
 from remat.core.plan import plan
 from remat.core.recompute import LAYER, Rewriter
 from remat.fastplan import pieces, stamp
 from remat.models import load as models
 from remat.models.hf import UnsupportedModel
+from remat.models.steps import window_step
 from remat.training import step
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -100,7 +102,7 @@ def test_stamped_step_is_the_whole_trace(name):
     pieces_refused: list[str] = []
 
     def whole() -> TrainGraph:
-        return capture(model, ids, ids.clone(), loss_chunk=LOSS_CHUNK)
+        return window_step(model, ids, ids.clone(), loss_chunk=LOSS_CHUNK)
 
     def small() -> TrainGraph:  # as `step` plans: the loss's pieces stamped where they can be
         try:
@@ -146,7 +148,7 @@ def test_stamped_pieces_with_a_short_last_piece(name):
     traced: list[int] = []
 
     def whole() -> TrainGraph:
-        tg = capture(model, ids, ids.clone(), loss_chunk=LOSS_CHUNK)
+        tg = window_step(model, ids, ids.clone(), loss_chunk=LOSS_CHUNK)
         traced.append(len(tg.graph.nodes))
         return tg
 
@@ -187,11 +189,11 @@ def test_the_last_layer_is_its_types_copied_one_unless_no_layer_between_is_of_it
 @pytest.mark.parametrize("lora", [True, False])
 def test_a_planning_models_plans_are_stamped_without_its_graph(monkeypatch, lora):
     """The gate's plans of a model on fake weights (off, dots, on) make no graph of the whole step: stamped
-    from the small trace and its rewrites, they are the plans of the graphs `step.build` makes. every:2 keeps
+    from the small trace and its rewrites, they are the plans of the graphs `Planner.build` makes. every:2 keeps
     marks by their layer's number, so the layer copied does not stand for the others: it is planned from the
     whole stamped graph."""
     s = TrainSettings(model="tiny-llama", ctx=32, batch=1, lora=lora)
-    model = step.planning_model(models.with_layers(models.load_config("tiny-llama"), LAYERS), s)
+    planner = planner_of(s, models.with_layers(models.load_config("tiny-llama"), LAYERS))
     shape = step.StepShape.of(s)
     graphs = []
     whole_graph = stamp.Stamper.graph
@@ -201,11 +203,11 @@ def test_a_planning_models_plans_are_stamped_without_its_graph(monkeypatch, lora
         return graphs[-1]
 
     monkeypatch.setattr(stamp.Stamper, "graph", counted)
-    stamped = step.plans(model, shape, step.LAYERS_ALIKE)
+    stamped = planner.plans(shape, step.LAYERS_ALIKE)
     assert graphs == []
-    every = step.plans(model, shape, ("every:2",))
+    every = planner.plans(shape, ("every:2",))
     assert len(graphs) == 1
     monkeypatch.undo()
-    assert stamped == {k: plan(step.build(model, shape, k)) for k in stamped}
-    assert every["every:2"] == plan(step.build(model, shape, "every:2"))
+    assert stamped == {k: plan(planner.build(shape, k)) for k in stamped}
+    assert every["every:2"] == plan(planner.build(shape, "every:2"))
     assert stamped["on"].graph < stamped["off"].graph  # the rewrite was planned, not the step again

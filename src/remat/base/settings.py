@@ -44,9 +44,10 @@ class GateRefused(RematError):
 
     exit_code = 3
 
-    def __init__(self, message: str, plans: dict[str, dict[str, int]] | None = None):
+    def __init__(self, message: str, plans: dict[str, dict[str, int]] | None = None, extra: dict | None = None):
         super().__init__(message)
         self.plans = plans or {}  # policy -> plan by category, for a caller that shows them
+        self.extra = extra or {}  # other figures of the refusal (a LoRA's own bytes)
 
 
 class Cancelled(Exception):

@@ -4,7 +4,7 @@ The variants train side by side in one process, on the same data from the same i
 weights (with `--lora`, the same initial adapter), each with its own copy of the model and its
 own AdamW:
 
-- `remat_off`: the traced step (`step.build`), recompute off, run as `train.BatchRunner` runs it
+- `remat_off`: the traced step (`Planner.build`), recompute off, run as `train.BatchRunner` runs it
   (on the walk path, the walk of `--walk`: exact by default);
 - `remat_on`: the same, recompute on;
 - `torch_checkpoint`: the Hugging Face model trained eagerly with its per-decoder-layer
@@ -46,7 +46,7 @@ from remat.core.plan import plan, process_peak, reset_process_peak, resident, re
 from remat.models import adapters
 from remat.models import load as models
 from remat.models.hf import causal_lm_loss
-from remat.training import step
+from remat.training.step import Planner, StepShape
 from remat.training.train import BatchRunner, Hooks
 
 VARIANTS = ("remat_off", "remat_on", "torch_checkpoint", "eager")
@@ -143,7 +143,7 @@ def _remat_variant(name: str, model: nn.Module, s: TrainSettings, recompute: str
     state: dict = {}
 
     def setup() -> None:
-        state["graph"] = step.build(model, step.StepShape.of(s), recompute)
+        state["graph"] = Planner(model).build(StepShape.of(s), recompute)
         p = plan(state["graph"])
         v.planned_graph, v.planned_cache = p.graph, (p.cache or None)
 
@@ -608,9 +608,3 @@ def main(args: argparse.Namespace) -> int:
                        args.out, args.lr, walk=args.walk, lora=args.lora)
     print(json.dumps(result) if args.json else markdown(result) + f"\nwritten to {args.out}/")
     return 0
-
-
-if __name__ == "__main__":
-    from remat.cli import main as cli_main
-
-    sys.exit(cli_main(["bench", *sys.argv[1:]]))

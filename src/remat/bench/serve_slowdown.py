@@ -3,7 +3,7 @@
     python -m remat.bench.serve_slowdown                      # default model (embedded SmolLM2-135M), ~5 min
     python -m remat.bench.serve_slowdown --seconds 30 --model tiny-llama --out /tmp/slowdown
 
-Starts one real server (`python -m remat.serve.app`, `--parallel 2`) on a free 127.0.0.1 port with a
+Starts one real server (`python -m remat serve`, `--parallel 2`) on a free 127.0.0.1 port with a
 temporary state folder and warms it up. Then, for recompute off and on, it runs the phases
 baseline, training, baseline, training (B T B T, so that drift of a shared machine hits both):
 
@@ -37,6 +37,7 @@ import tempfile
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parents[3]  # the checkout: bench/results is written there
 TERMINAL = ("succeeded", "failed", "cancelled")
@@ -54,7 +55,7 @@ class Client:
     def __init__(self, port: int):
         self.port = port
 
-    def request(self, method: str, path: str, body=None, timeout: float = 300) -> tuple[int, object]:
+    def request(self, method: str, path: str, body=None, timeout: float = 300) -> tuple[int, Any]:
         conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=timeout)
         try:
             data = json.dumps(body).encode() if body is not None else None
@@ -79,7 +80,7 @@ def start_server(args: argparse.Namespace, state_dir: Path, log_path: Path,
                  src: Path = ROOT / "src") -> tuple[subprocess.Popen, Client]:
     """`remat serve` from the checkout whose sources are `src`, ready (its /health answers 200)."""
     port = free_port()
-    cmd = [sys.executable, "-m", "remat.serve.app", "--port", str(port), "--state-dir", str(state_dir),
+    cmd = [sys.executable, "-m", "remat", "serve", "--port", str(port), "--state-dir", str(state_dir),
            "--parallel", str(CONCURRENCY), "--max-slowdown-ppm", str(args.max_slowdown_ppm),
            "--threads", str(args.threads)]
     if args.model:
@@ -120,7 +121,7 @@ def prompts() -> list[str]:
 def decode_phase(client: Client, seconds: float, questions: list[str]) -> dict:
     """CONCURRENCY clients loop chat completions for `seconds`; pooled decode timings of the responses."""
     lock = threading.Lock()
-    tot = {"requests": 0, "tokens": 0, "predicted_ms": 0.0, "errors": 0, "rates": []}
+    tot: dict[str, Any] = {"requests": 0, "tokens": 0, "predicted_ms": 0.0, "errors": 0, "rates": []}
     counter = iter(range(10**9))
     t0 = time.monotonic()
     deadline = t0 + seconds

@@ -2,8 +2,8 @@
 
 Compared on one model and one window shape (the window path), side by side in one process:
 
-- remat's named recompute policies `off`, `dots`, `layer` (= `on`), `every:2`, `every:4` (`step.build`);
-- remat's budget mode (`step.choose(model, shape, "budget", b)`) at `BUDGET_POINTS` budgets evenly from the
+- remat's named recompute policies `off`, `dots`, `layer` (= `on`), `every:2`, `every:4` (`Planner.build`);
+- remat's budget mode (`Planner.choose(shape, "budget", b)`) at `BUDGET_POINTS` budgets evenly from the
   smallest named plan's total up to off's (off excluded), plus the budget halfway between layer and off;
 - PyTorch's per-decoder-layer `torch.utils.checkpoint` on the Hugging Face model (`bench`'s
   `torch_checkpoint`: eager, unchunked loss, as HF users get it);
@@ -61,7 +61,7 @@ from remat.core.plan import Plan
 from remat.models import adapters
 from remat.models import load as models
 from remat.models.hf import causal_lm_loss, prepare
-from remat.training import step
+from remat.training.step import Planner, StepShape, policy_name
 
 NAMED = ("off", "dots", "layer", "every:2", "every:4")
 BUDGET_POINTS = 6  # evenly from the smallest plan's total to off's, off excluded (plus layer/off halfway)
@@ -80,7 +80,7 @@ class Entry:
     variant: Variant
     kind: str  # "remat", "remat_budget", "torch_checkpoint" or "aot"
     policy: str | None = None  # remat: the policy that runs (budget mode: the one it chose)
-    budget: int | None = None  # remat_budget: the budget given to `step.choose`, bytes
+    budget: int | None = None  # remat_budget: the budget given to `Planner.choose`, bytes
     plan: Plan | None = None  # remat: the policy's plan
     aot_budget: float | None = None  # aot: activation_memory_budget
     compile_seconds: float | None = None
@@ -127,14 +127,14 @@ def aot_budgets(chosen: Sequence[Plan], off: Plan) -> list[float]:
 def _remat_entries(model: nn.Module, s: TrainSettings, plans: dict[str, Plan], budgets: Sequence[int],
                    say: Callable[[str], None]) -> tuple[list[Entry], list[dict]]:
     """The named policies, then budget mode at each budget; budgets the gate refuses are listed apart."""
-    shape = step.StepShape.of(s)
+    shape, planner = StepShape.of(s), Planner(model)
     entries = [Entry(_remat_variant(name, model, s, name), "remat",
-                     policy=step.policy_name(name), plan=plans[name]) for name in NAMED]
+                     policy=policy_name(name), plan=plans[name]) for name in NAMED]
     refused = []
     for b in budgets:
         name = budget_name(b, plans)
         try:
-            choice = step.choose(model, shape, "budget", b)
+            choice = planner.choose(shape, "budget", b)
         except GateRefused as e:
             say(f"{name} ({b / MiB:,.1f} MiB): refused by the gate")
             refused.append({"variant": name, "budget": b, "reason": str(e)})
@@ -290,7 +290,7 @@ def run_sweep(model: str | None, ctx: int, batch: int = 1, steps: int = 3,
     data = [(ids.to(device), labels.to(device)) for ids, labels in random_batches(vocab, batch, ctx, steps, seed)]
     with contextlib.nullcontext() if device.type == "cpu" else torch.device(device):
         t0 = time.perf_counter()
-        plans = step.plans(base, step.StepShape.of(s), NAMED)
+        plans = Planner(base).plans(StepShape.of(s), NAMED)
         budgets = budget_points(plans, budget_points_n)
         entries, refused = _remat_entries(base, s, plans, budgets, say)
         say(f"planned in {time.perf_counter() - t0:.1f} s")

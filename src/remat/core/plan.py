@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import ctypes
+import dataclasses
 import functools
 import gc
 from collections.abc import Callable, Hashable, Iterator, Sequence, Set
@@ -57,17 +58,6 @@ class Plan:
 
 Lives = dict[Hashable, tuple[int, int, int]]  # storage -> (position of its maker, bytes, position it is freed after)
 
-# Ops that hold memory inside beyond their outputs while they run (a backward that recomputes its forward:
-# `remat.models.delta_rule`): op -> the bytes it holds at its peak beyond its outputs, from the node's fake values.
-# The planner adds them at the node, alive for that node only; `measure` tracks the real ones (`held_inside`).
-WORKSPACE: dict[object, Callable[[fx.Node], int]] = {}
-
-
-def workspace(node: fx.Node) -> int:
-    fn = WORKSPACE.get(node.target) if node.op == "call_function" else None
-    return fn(node) if fn is not None else 0
-
-
 def value_bytes(value: object) -> int:
     """The bytes of the storages a value holds, each once."""
     return sum({StorageWeakRef(t.untyped_storage()): t.untyped_storage().nbytes() for t in tensors_in(value)}.values())
@@ -103,7 +93,7 @@ _WATCHING: contextvars.ContextVar[list[int] | None] = contextvars.ContextVar("re
 
 @contextlib.contextmanager
 def watching(peaks: list[int]) -> Iterator[None]:
-    """Ops that hold memory inside (`WORKSPACE`) append their internal peaks to `peaks` while this is on."""
+    """Ops that hold memory inside (`TrainGraph.workspaces`) append their internal peaks to `peaks` while this is on."""
     token = _WATCHING.set(peaks)
     try:
         yield
@@ -133,7 +123,7 @@ def sized_storages(node: fx.Node) -> list[tuple[StorageWeakRef, int]]:
             for t in tensors_in(node.meta.get("val"))]
 
 
-def _storages(node: fx.Node) -> list[StorageWeakRef]:
+def storages_of(node: fx.Node) -> list[StorageWeakRef]:
     return [s for s, _ in sized_storages(node)]
 
 
@@ -165,7 +155,7 @@ def _lifetimes(tg: TrainGraph) -> tuple[list[fx.Node], Lives, set]:
     inputs = {s for n in nodes if n.op == "placeholder" for s, _ in held[pos[n]]}
     outputs = {s for n in _output_nodes(tg.graph) for s, _ in held[pos[n]]} - inputs
     last_read = [max([i] + [pos[u] for u in n.users]) for i, n in enumerate(nodes)]
-    return nodes, lives(held, last_read, inputs, outputs, [workspace(n) for n in nodes]), outputs
+    return nodes, lives(held, last_read, inputs, outputs, [tg.workspace(n) for n in nodes]), outputs
 
 
 def live_at_peak(tg: TrainGraph, outputs: bool = False) -> tuple[int, fx.Node | None, list[tuple[fx.Node, int]]]:
@@ -228,7 +218,7 @@ def graph_peak(tg: TrainGraph) -> int:
 def _made_grads(tg: TrainGraph) -> int:
     """Bytes of the step's grads (its outputs after the loss) that the graph allocates; the rest alias its
     inputs (a walk's grad sums)."""
-    inputs = {s for n in tg.placeholders() for s in _storages(n)}
+    inputs = {s for n in tg.placeholders() for s in storages_of(n)}
     made = {s: size for n in _output_nodes(tg.graph)[1:] for s, size in sized_storages(n) if s not in inputs}
     return sum(made.values())
 
@@ -261,7 +251,7 @@ def planned(inputs: Sequence[tuple[str, object]], made_grads: int, order: Order,
         params=params,
         frozen=role_bytes("frozen", "buffer"),
         grads=params,
-        optimizer=2 * 4 * max(zero_shards([t.numel() for t in trainable], _WORLD.get())),
+        optimizer=2 * 4 * sum(t.numel() for t in trainable),
         graph=graph,
         cache=role_bytes("state") + info.get("saved_states", 0),
         step=step + max(0, params - made_grads),  # with the grads held before the step starts (a walk's sums)
@@ -275,8 +265,10 @@ class Storages:
     original's storages, or new ones of the same sizes (`new`: a value made again by the same op); where the
     original holds an input's storage (a view, an in-place write), the copy holds that input's copy's instead."""
 
-    def __init__(self, storages: Callable[[fx.Node], Sequence[tuple[Hashable, int]]], templates: dict | None = None):
+    def __init__(self, storages: Callable[[fx.Node], Sequence[tuple[Hashable, int]]],
+                 workspace: Callable[[fx.Node], int], templates: dict | None = None):
         self.storages = storages  # an original node's, in the order its value holds them
+        self.workspace = workspace  # an original node's (`TrainGraph.workspace`)
         self.held: list[list[tuple[Hashable, int]]] = []
         self.last_read: list[int] = []
         self.inside: list[int] = []  # what each node holds while it runs beyond its value (`workspace`)
@@ -311,7 +303,8 @@ class Storages:
         same for every copy of it."""
         if n not in self.templates:
             where = {s: (k, j) for k, a in enumerate(n.all_input_nodes) for j, (s, _) in enumerate(self.storages(a))}
-            self.templates[n] = [(s, size, *where.get(s, (-1, -1))) for s, size in self.storages(n)], workspace(n)
+            own = [(s, size, *where.get(s, (-1, -1))) for s, size in self.storages(n)]
+            self.templates[n] = own, self.workspace(n)
         return self.templates[n]
 
     def clone(self, n: fx.Node, arg: Callable[[fx.Node], int], layer: int | None) -> int:
@@ -340,22 +333,10 @@ class Storages:
         return len(self.held) - 1
 
 
-_WORLD: contextvars.ContextVar[int] = contextvars.ContextVar("remat_plan_world_size", default=1)
-
-
-@contextlib.contextmanager
-def per_rank(world_size: int) -> Iterator[None]:
-    """Plans made inside are one rank's of `world_size`: `optimizer` is the largest rank's ZeRO share."""
-    token = _WORLD.set(world_size)
-    try:
-        yield
-    finally:
-        _WORLD.reset(token)
-
-
-def world_size() -> int:
-    """The rank count plans are made for now (`per_rank`; 1 outside it)."""
-    return _WORLD.get()
+def rank_share(p: Plan, numels: list[int], world_size: int) -> Plan:
+    """`p` for one of `world_size` data-parallel ranks: its optimizer holds the largest ZeRO share of the state
+    of trainable tensors of `numels` elements."""
+    return dataclasses.replace(p, optimizer=2 * 4 * max(zero_shards(numels, world_size)))
 
 
 def zero_shards(numels: list[int], world_size: int) -> list[int]:

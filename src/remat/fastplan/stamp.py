@@ -43,7 +43,7 @@ from torch.fx._lazy_graph_module import _LazyGraphModule
 from remat.core.capture import copied_value
 from remat.core.graph import StepInputs, TrainGraph, copy_node
 from remat.core.marks import LAYER_MARK, MARK_OP
-from remat.core.plan import Order, Plan, Storages, _storages, planned, sized_storages
+from remat.core.plan import Order, Plan, Storages, planned, sized_storages, storages_of
 from remat.core.policies import Policy, layer_index
 from remat.core.recompute import CLONE_FOR, Rewriter
 from remat.models.hf import causal_lm, decoder_layers, prepare
@@ -55,24 +55,23 @@ class NotStampable(Exception):
     """The trace does not split into alike layers: trace the model whole."""
 
 
-def stamp(model: nn.Module, trace_small: Callable[[], TrainGraph]) -> Stamper:
+def stamp(model: nn.Module, trace_small: Callable[[], TrainGraph], picked: Picked | None = None) -> Stamper:
     """The whole model's step from `trace_small()` (the same trace, made while the model runs only the layers
     `Picked.traced`): its graph and plans (`Stamper`); NotStampable, with why, when the model must be traced
-    whole."""
+    whole. `picked`: the layers an earlier stamp of this model picked (`Stamper.picked`; a model's layers are
+    fixed once built), else picked here."""
     prepare(model)  # the layer marks are numbered by the whole list, before it is cut
     layers = decoder_layers(model)
-    picked = layers.__dict__.get("_remat_picked")  # a model's layers are fixed once built: picked once per model
     if picked is None:
-        picked = layers.__dict__["_remat_picked"] = _pick([_signature(m) for m in layers])
+        picked = _pick([_signature(m) for m in layers])
     try:
         return _stamped(model, layers, picked, trace_small)
     except NotStampable:
         if not picked.last_copied:
             raise
     # the last layer is not like its type's others beyond what its signature shows (axk1's backward holds more):
-    # it stands for itself, from now on
-    picked = layers.__dict__["_remat_picked"] = _pick([_signature(m) for m in layers], last_copied=False)
-    return _stamped(model, layers, picked, trace_small)
+    # it stands for itself, from now on (the stamper's `picked`)
+    return _stamped(model, layers, _pick([_signature(m) for m in layers], last_copied=False), trace_small)
 
 
 def _stamped(model: nn.Module, layers: nn.ModuleList, picked: Picked,
@@ -345,7 +344,7 @@ class Stamper:
         raise NotStampable(f"layer {own} reads {arg.name}, of a layer not next to it")
 
     def _roles(self, node: fx.Node, place: int) -> tuple:
-        return node.op, node.target, _mapped((node.args, node.kwargs), lambda a: self._role(a, place))
+        return node.op, node.target, mapped((node.args, node.kwargs), lambda a: self._role(a, place))
 
     def _check_alike(self, kind: str, a: int, b: int) -> None:
         sa, sb = self._segment(kind, a), self._segment(kind, b)
@@ -373,7 +372,7 @@ class Stamper:
         gm = _LazyGraphModule(small.gm, new)  # its code is made on its first call: a plan never pays for it
         boundary = env[small.boundary, p.layer(self.seg.place[small.boundary][1])]
         return TrainGraph(gm=gm, roles=self._roles_full(), names=self._names_full(), boundary=boundary,
-                          info=small.info)
+                          info=small.info, workspaces=small.workspaces)
 
     def plan(self, policy: Policy | None = None) -> Plan:
         """`plan(rewrite(self.graph(), policy))` (None: `plan(self.graph())`), to the byte, without making the
@@ -389,7 +388,7 @@ class Stamper:
     def walked(self) -> tuple[int, Order]:
         """The whole step as the planner sees it: the bytes of the grads it makes, and its node order. Walking
         it reads every value as `graph` does: the last check that the model stamps (`_read`, `_outputs`)."""
-        made = Storages(functools.cache(sized_storages))
+        made = Storages(functools.cache(sized_storages), self.small.workspace)
         places = {name: made.input(("input", name)) for name in self._names_full()}
         env: dict[tuple[fx.Node, int], int] = {}  # (small node, the model's layer it stands for) -> its position
         copied = [not self.picked.itself(place) for place in range(self.picked.head + 1)]
@@ -499,20 +498,20 @@ class Stamper:
         for node, layer in order:
             c = env[node, layer]
             if (not p.itself(self.seg.place[node][1])
-                    or (any(a in redone for a in c.all_input_nodes) and _shares_an_input(node))):
+                    or (any(a in redone for a in c.all_input_nodes) and shares_an_input(node))):
                 c.meta["val"] = copied_value(node, c)
                 redone.add(c)
 
 
-def _shares_an_input(node: fx.Node) -> bool:
-    inputs = {r for a in node.all_input_nodes for r in _storages(a)}
-    return any(r in inputs for r in _storages(node))
+def shares_an_input(node: fx.Node) -> bool:
+    inputs = {r for a in node.all_input_nodes for r in storages_of(a)}
+    return any(r in inputs for r in storages_of(node))
 
 
-def _mapped(args: object, fn) -> object:
+def mapped(args: object, fn) -> object:
     """`args` with every leaf mapped by `fn` (nested tuples, lists and dicts as fx keeps them)."""
     if isinstance(args, (tuple, list)):
-        return tuple(_mapped(a, fn) for a in args)
+        return tuple(mapped(a, fn) for a in args)
     if isinstance(args, dict):
-        return tuple((k, _mapped(v, fn)) for k, v in args.items())
+        return tuple((k, mapped(v, fn)) for k, v in args.items())
     return fn(args)

@@ -113,32 +113,39 @@ def apply_lora(model: nn.Module, s: LoraSettings, *, seed: int = 0) -> peft.Peft
     if isinstance(model, peft.PeftModel):
         raise AdapterError("the model already has an adapter")
     _check_settings(model, s)  # before PEFT touches the model, so a bad setting leaves it as it was
+    targets, _ = _targets(model, s)
     config = peft.LoraConfig(
         r=s.r,
         lora_alpha=s.alpha,  # type: ignore[arg-type]  # PEFT annotates int; it scales by any number
         lora_dropout=s.dropout,
-        # PEFT's "all-linear" is every linear layer except the output head.
-        target_modules=list(s.targets) if s.targets is not None else "all-linear",
+        target_modules=targets,
         bias="none",
         task_type=peft.TaskType.CAUSAL_LM,
     )
-    note = ""
-    if s.targets is None:  # every linear layer but the head, less those PEFT refuses or cannot wrap
-        refused, odd = _peft_refused(model), _not_plain_linears(model)
-        if refused or odd:
-            head = cast(Any, model).get_output_embeddings()
-            config.target_modules = sorted({name.rsplit(".", 1)[-1] for name, m in model.named_modules()
-                                            if isinstance(m, nn.Linear) and m is not head
-                                            and name.rsplit(".", 1)[-1] not in refused | odd})
-            why = [f"{', '.join(sorted(refused))}: PEFT does not support them for this model"] if refused else []
-            why += [f"{', '.join(sorted(odd))}: their forward is not x @ W.T + b, which LoRA adds to"] if odd else []
-            note = f"LoRA leaves out {'; '.join(why)}"
     with module_lock, torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        wrapped = peft.get_peft_model(model, config)
-    if note:
-        cast(Any, wrapped)._remat_lora_note = note
-    return wrapped
+        return peft.get_peft_model(model, config)
+
+
+def left_out(model: nn.Module, s: LoraSettings) -> str:
+    """What the adapter `s` leaves out of the model, and why, in a line ("" when nothing)."""
+    return _targets(model, s)[1]
+
+
+def _targets(model: nn.Module, s: LoraSettings) -> tuple[list[str] | str, str]:
+    """PEFT's target modules for `s`, and what they leave out. PEFT's "all-linear" is every linear layer except
+    the output head, less those PEFT refuses or cannot wrap here."""
+    if s.targets is not None:
+        return list(s.targets), ""
+    refused, odd = _peft_refused(model), _not_plain_linears(model)
+    if not (refused or odd):
+        return "all-linear", ""
+    head = cast(Any, model).get_output_embeddings()
+    targets = sorted({name.rsplit(".", 1)[-1] for name, m in model.named_modules()
+                      if isinstance(m, nn.Linear) and m is not head and name.rsplit(".", 1)[-1] not in refused | odd})
+    why = [f"{', '.join(sorted(refused))}: PEFT does not support them for this model"] if refused else []
+    why += [f"{', '.join(sorted(odd))}: their forward is not x @ W.T + b, which LoRA adds to"] if odd else []
+    return targets, f"LoRA leaves out {'; '.join(why)}"
 
 
 def _not_plain_linears(model: nn.Module) -> set[str]:

@@ -141,9 +141,3 @@ def main(args: ServeSettings) -> int:
         print(f"remat: error: cannot load the model: {failed[0]}", file=sys.stderr)
         return 1
     return 0
-
-
-if __name__ == "__main__":
-    from remat.cli import main as cli_main
-
-    sys.exit(cli_main(["serve", *sys.argv[1:]]))
