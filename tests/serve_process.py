@@ -141,6 +141,6 @@ class Server:
         raise AssertionError(f"job {job_id} not there after {timeout} s: {self.job(job_id)}")
 
     def cancel(self, job_id: str) -> None:
-        status, body = self.request("DELETE", f"/train/{job_id}")
+        status, body = self.request("POST", f"/train/{job_id}/cancel")
         assert status in (200, 409), body
         self.wait_job(job_id)

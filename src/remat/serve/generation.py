@@ -10,6 +10,7 @@ import json
 import logging
 import math
 from collections.abc import AsyncGenerator
+from typing import Any
 
 from fastapi import Request
 from fastapi.responses import StreamingResponse
@@ -32,7 +33,7 @@ SSE_EVENT = {"type": "object", "properties": {
     "event": {"type": "string"}, "id": {"type": "string"}, "retry": {"type": "integer"}}}
 
 
-def streams(model: type, what: str) -> dict:
+def streams(model: Any, what: str) -> dict:
     """OpenAPI `responses[200]` of a route that answers JSON, or server-sent events with `stream: true`."""
     return {200: {"model": model, "description": f"{what}; with `stream: true`, server-sent events",
                   "content": {"text/event-stream": {"schema": SSE_EVENT}}}}

@@ -249,6 +249,14 @@ class CompletionResponse(Out):
     timings: Timings
 
 
+class Picked(RootModel[dict[str, Any]]):
+    """The fields llama.cpp's `response_fields` names, each under its path ("generation_settings/seed")."""
+
+
+# /completion answers one object, a list of them (several prompts or choices), or the fields asked for
+CompletionAnswer = CompletionResponse | list[CompletionResponse] | Picked
+
+
 class Usage(Out):
     prompt_tokens: int
     completion_tokens: int

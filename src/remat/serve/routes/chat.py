@@ -11,7 +11,7 @@ from remat.serve import generation as gen
 from remat.serve.body import openapi_body, reader
 from remat.serve.decoding import Generation
 from remat.serve.engine import Engine
-from remat.serve.errors import ApiError, invalid, responses
+from remat.serve.errors import ApiError, SafeJSONResponse, invalid, responses
 from remat.serve.params import ChatRequest
 from remat.serve.replies import OpenAIReply
 from remat.serve.schemas import ChatResponse
@@ -82,4 +82,4 @@ async def v1_chat(e: EngineDep, body: ChatBody, request: Request):
     if body.stream:
         return gen.event_stream(reply.events())
     await gen.whole(g, request)
-    return await run_in_threadpool(reply.whole)
+    return SafeJSONResponse(await run_in_threadpool(reply.whole))

@@ -11,10 +11,10 @@ from remat.serve import generation as gen
 from remat.serve.body import openapi_body, reader
 from remat.serve.decoding import Generation
 from remat.serve.engine import Engine
-from remat.serve.errors import responses
+from remat.serve.errors import SafeJSONResponse, responses
 from remat.serve.params import CompletionRequest, CompletionsRequest, prompts
 from remat.serve.replies import LlamaReply, OpenAIReply
-from remat.serve.schemas import CompletionResponse, CompletionsResponse
+from remat.serve.schemas import CompletionAnswer, CompletionsResponse
 from remat.serve.state import EngineDep
 
 router = APIRouter(tags=["generation"])
@@ -32,10 +32,10 @@ def _start(e: Engine, body: CompletionRequest | CompletionsRequest,
     return g, [str(e.tokenizer.decode(x)) for x in ids]
 
 
-@router.post("/completion", response_model=CompletionResponse, responses={**gen.streams(CompletionResponse,
-             "The completion (a list of them for several prompts or choices)"), **ERRORS},
+@router.post("/completion", response_model=CompletionAnswer, responses={**gen.streams(
+             CompletionAnswer, "The completion (a list of them for several prompts or choices)"), **ERRORS},
              openapi_extra=openapi_body(CompletionRequest))
-@router.post("/completions", response_model=CompletionResponse, include_in_schema=False)
+@router.post("/completions", response_model=CompletionAnswer, include_in_schema=False)
 async def completion(e: EngineDep, body: CompletionBody, request: Request):
     """llama.cpp's completion. A client that hangs up stops the decoding (streaming or not)."""
     n_probs = body.n_probs if body.n_probs is not None else body.logprobs
@@ -44,7 +44,7 @@ async def completion(e: EngineDep, body: CompletionBody, request: Request):
     if body.stream:
         return gen.event_stream(reply.events())
     await gen.whole(g, request)
-    return await run_in_threadpool(reply.whole)
+    return SafeJSONResponse(await run_in_threadpool(reply.whole))
 
 
 @router.post("/v1/completions", response_model=CompletionsResponse,
@@ -60,4 +60,4 @@ async def v1_completions(e: EngineDep, body: CompletionsBody, request: Request):
     if body.stream:
         return gen.event_stream(reply.events())
     await gen.whole(g, request)
-    return await run_in_threadpool(reply.whole)
+    return SafeJSONResponse(await run_in_threadpool(reply.whole))
