@@ -67,6 +67,7 @@ class Decoder:
         self.prefill: _Prefill | None = None
         self.key: object = ()  # the adapters the model computes with now: none
         self._thread: threading.Thread | None = None
+        self._closing = False
 
     # -- any thread -------------------------------------------------------------------------------------
 
@@ -77,6 +78,15 @@ class Decoder:
                 self._thread = threading.Thread(target=self._run, name="remat-decode", daemon=True)
                 self._thread.start()
             self.cond.notify()
+
+    def close(self) -> None:
+        """Stop the loop (what runs is dropped) and wait for its thread."""
+        with self.cond:
+            self._closing = True
+            self.cond.notify()
+            thread = self._thread
+        if thread is not None:
+            thread.join(30)
 
     @property
     def busy(self) -> int:
@@ -97,8 +107,10 @@ class Decoder:
         with torch.inference_mode():
             while True:
                 with self.cond:
-                    while not (self.queue or self.prefill or self.batches):
+                    while not (self.queue or self.prefill or self.batches or self._closing):
                         self.cond.wait()
+                    if self._closing:
+                        return
                     for c in [c for c in self.queue if c.gen.cancel.is_set()]:
                         self.queue.remove(c)
                     start = self._admit()

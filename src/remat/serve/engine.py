@@ -258,6 +258,9 @@ class Engine:
         return Generation(prompts, params, n, n_ctx=self.n_ctx, tokenizer=self.tokenizer, eos_ids=self.eos_ids,
                           key=self.lora_key(params.lora), submit=self.decoder.submit, cancel=cancel)
 
+    def close(self) -> None:
+        self.decoder.close()
+
     def forward(self, input_ids: torch.Tensor, cache, **kw):
         """The model's forward over `input_ids` onto `cache`: the last position's logits. The model is a black
         box called with transformers' arguments, so a faster forward (quantized weights) drops in here."""
