@@ -32,7 +32,7 @@ def prefill_cache(model) -> Cache:
 
 
 def _mergeable(cache: Cache) -> bool:
-    return all(type(layer) in (DynamicLayer, LinearAttentionLayer) for layer in cache.layers)
+    return all(type(layer) in (DynamicLayer, _Attention, LinearAttentionLayer) for layer in cache.layers)
 
 
 class _Attention(DynamicLayer):

@@ -113,6 +113,7 @@ class Decoder:
                         return
                     for c in [c for c in self.queue if c.gen.cancel.is_set()]:
                         self.queue.remove(c)
+                        c.drop()
                     start = self._admit()
                 try:
                     self._turn(start)
@@ -195,8 +196,7 @@ class Decoder:
         out = self.e.forward(**batch.cache.inputs(batch.next), cache=batch.cache.cache)
         batch.cache.advance()
         picked = pick(out.logits[:, -1], [c.row for c in batch.rows])
-        if self.e.scheduler is not None:
-            self.e.scheduler.step(len(batch.rows), time.perf_counter() - t0)
+        self.e.stepped(len(batch.rows), time.perf_counter() - t0)
         keep = [i for i, (c, t, p) in enumerate(zip(batch.rows, picked.tokens, picked.probs))
                 if not self._accept(c, t, p)]
         batch.next = [picked.tokens[i] for i in keep]
@@ -237,10 +237,12 @@ class Decoder:
         pf = self.prefill
         if pf is not None and pf.choice.gen.cancel.is_set():
             self.prefill = None
+            pf.choice.drop()
             self._ended(pf.choice)
         for batch in list(self.batches):
             gone = [c for c in batch.rows if c.gen.cancel.is_set()]
             for c in gone:
+                c.drop()
                 self._ended(c)
             if gone:
                 keep = [i for i, c in enumerate(batch.rows) if not c.gen.cancel.is_set()]

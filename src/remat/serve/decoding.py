@@ -184,6 +184,11 @@ class Choice:
         self.gen.choice_done()
         return True
 
+    def drop(self) -> None:
+        """The client left: end here, with what was handed out (stop_type stays `none`)."""
+        self.gen.sink(Event("done", self.index))
+        self.gen.choice_done()
+
     def finish(self, stop_type: str) -> None:
         """End without a new token: the budget was 0, or the prompt filled the context."""
         now = time.perf_counter()

@@ -65,7 +65,7 @@ class Engine:
         self._kv_token = self._kv_fixed = 0  # KV bytes per token of a sequence, and per sequence
         self._stats_lock = threading.Lock()
         self.stats = {"requests": 0, "prompt_tokens": 0, "tokens_predicted": 0, "decode_seconds": 0.0,
-                      "prompt_seconds": 0.0}
+                      "prompt_seconds": 0.0, "decode_steps": 0, "decode_rows": 0}
 
     # -- loading --------------------------------------------------------------------------------------
 
@@ -265,6 +265,14 @@ class Engine:
         """The model's forward over `input_ids` onto `cache`: the last position's logits. The model is a black
         box called with transformers' arguments, so a faster forward (quantized weights) drops in here."""
         return self.model(input_ids=input_ids, use_cache=True, logits_to_keep=1, **{self._cache_kw: cache}, **kw)
+
+    def stepped(self, rows: int, seconds: float) -> None:
+        """A decode step of `rows` sequences took `seconds`: for /metrics and the training scheduler."""
+        with self._stats_lock:
+            self.stats["decode_steps"] += 1
+            self.stats["decode_rows"] += rows
+        if self.scheduler is not None:
+            self.scheduler.step(rows, seconds)
 
     def record(self, c: Choice) -> None:
         """A choice ended: count it in the stats /metrics reports."""
