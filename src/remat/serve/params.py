@@ -21,7 +21,7 @@ import json
 from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, BaseModel, Field, create_model, model_validator
+from pydantic import AfterValidator, BaseModel, BeforeValidator, Field, create_model, model_validator
 from pydantic_core import PydanticCustomError, core_schema
 
 from remat.serve.sampling import sampler_names
@@ -49,6 +49,8 @@ Count = Annotated[int, Field(ge=-1, le=2**31 - 1)]  # -1: no limit
 Real = Annotated[float, Field(ge=-1e9, le=1e9)]
 Penalty = Annotated[float, Field(ge=-100, le=100)]
 Bias = Annotated[float, Field(ge=-100, le=100)] | Literal[False]  # false: never this token
+# llama.cpp's [token or text, bias] pair (JSON has no tuples: a two-item array is one)
+BiasPair = Annotated[tuple[TokenId | Text, Bias], BeforeValidator(lambda v: tuple(v) if isinstance(v, list) else v)]
 
 
 class Unsupported:
@@ -148,7 +150,7 @@ class Sampled(Body):
     min_keep: Int | None = None
     samplers: Annotated[list[Text] | Text | None, AfterValidator(_samplers)] = None
     seed: Seed | None = None
-    logit_bias: dict[Text, Bias] | list[tuple[TokenId | Text, Bias]] | None = None
+    logit_bias: dict[Text, Bias] | list[BiasPair] | None = None
     ignore_eos: bool | None = None
     stop: Text | list[TokenId | Text] | None = None
     n_probs: Annotated[int, Field(ge=0, le=MAX_PROBS)] | None = None
