@@ -38,7 +38,8 @@ class Params:
     lora: tuple[tuple[int, float], ...] | None = None  # (id, scale): overrides the global scales
 
     def as_dict(self) -> dict:
-        return {**self.sampling.as_dict(), "n_predict": self.n_predict, "stop": list(self.stop),
+        return {**self.sampling.as_dict(), "n_predict": self.n_predict, "max_tokens": self.n_predict,
+                "stop": list(self.stop) + sorted(self.stop_ids),
                 "seed": self.seed, "ignore_eos": self.ignore_eos, "t_max_predict_ms": self.t_max_predict_ms,
                 "lora": None if self.lora is None else [{"id": i, "scale": s} for i, s in self.lora]}
 
