@@ -81,7 +81,7 @@ def test_logprobs(client):
 
 
 def test_errors_reach_the_client_as_its_own_exceptions(server, client):
-    with pytest.raises(openai.BadRequestError, match="mirostat.*not supported") as e:
+    with pytest.raises(openai.BadRequestError, match=r"mirostat.*not supported") as e:
         client.chat.completions.create(model="m", messages=HI, extra_body={"mirostat": 2})
     assert e.value.status_code == 400
     with pytest.raises(openai.BadRequestError, match="unknown field 'frobnicate'"):
