@@ -27,11 +27,11 @@ chunk started while idle that a new request then runs into is charged too.
 Measured slowdown (`stats()["slowdown_ppm"]`): the decode loop reports each step, one forward over the
 batch of decoding sequences, with its batch size and wall time (`step(rows, seconds)`); a step that
 overlapped a running chunk counts as "overlap", the rest as "clean", by batch size (a batch of four takes
-longer per step than a batch of one, training or not). When some batch size has samples of both kinds, the
-slowdown is how much longer the overlapped steps took than they would have at the clean time per step of
-their batch size (`slowdown_source: "measured"`; batch sizes with no clean steps are left out). Until then
-it is the overlap fraction, overlap / busy time, which bounds the slowdown when a chunk at most stalls
-decoding for its own length (`slowdown_source: "overlap_fraction"`).
+longer per step than a batch of one, training or not). When some batch size has steps of both kinds, the
+slowdown is how much longer all decoding took than it would have at the clean time per step of each batch
+size (`slowdown_source: "measured"`; batch sizes with no clean steps are left out). Until then it is the
+overlap fraction, overlap / busy time, which bounds the slowdown when a chunk at most stalls decoding for
+its own length (`slowdown_source: "overlap_fraction"`).
 
 Each chunk's wall time is also the window a new request may wait behind it; p50/p95 are reported.
 """
@@ -85,15 +85,18 @@ class Totals:
                       steps(self.overlapped, base.overlapped))
 
     def slowdown(self) -> float | None:
-        """How much longer the overlapped steps took than clean ones of their batch size would; None without
-        a batch size that has both."""
+        """How much longer decoding took than it would have at the clean time per step of each batch size
+        (batch sizes never seen clean are left out); None until some batch size has steps of both kinds."""
         took = would_take = 0.0
-        for rows, (n, seconds) in self.overlapped.items():
-            clean_n, clean_s = self.clean.get(rows, (0, 0.0))
-            if n > 0 and clean_n > 0 and clean_s > 0:
-                took += seconds
-                would_take += n * clean_s / clean_n
-        return max(0.0, took / would_take - 1) if would_take > 0 else None
+        both = False
+        for rows, (clean_n, clean_s) in self.clean.items():
+            if clean_n <= 0 or clean_s <= 0:
+                continue
+            n, seconds = self.overlapped.get(rows, (0, 0.0))
+            both = both or n > 0
+            took += clean_s + seconds
+            would_take += (clean_n + n) * clean_s / clean_n
+        return max(0.0, took / would_take - 1) if both else None
 
 
 class Scheduler:
