@@ -113,3 +113,14 @@ def make_case():
     """`make_case(name, num_layers=None, prepare=fn)`: a fresh model (prepare(model) runs before
     capture), for tests that change the model."""
     return new_case
+
+
+@pytest.fixture
+def traces(monkeypatch) -> list[int]:
+    """One item per step traced while the test runs (`core.capture.trace`, as `models.steps` calls it)."""
+    from remat.models import steps
+
+    made: list[int] = []
+    real = steps.trace
+    monkeypatch.setattr(steps, "trace", lambda *a, **kw: made.append(1) or real(*a, **kw))
+    return made

@@ -142,5 +142,6 @@ class Server:
 
     def cancel(self, job_id: str) -> None:
         status, body = self.request("POST", f"/train/{job_id}/cancel")
-        assert status in (200, 409), body
-        self.wait_job(job_id)
+        assert status in (200, 404, 409), body  # 404: deleted already
+        if status != 404:
+            self.wait_job(job_id)

@@ -72,7 +72,7 @@ def test_placeholder_roles_in_order(case):
     assert len(_output_args(tg)) == 1 + len(tensors.trainable)
 
 
-def test_frozen_params_leave_the_grads(make_case):
+def test_frozen_params_leave_the_grads(make_case, traces):
     frozen = ("model.embed_tokens.weight", "model.layers.0.self_attn.q_proj.weight", "lm_head.weight")
 
     def freeze(model):
@@ -80,9 +80,9 @@ def test_frozen_params_leave_the_grads(make_case):
         for name in frozen:
             params[name].requires_grad_(False)
 
-    before = cap.trace_count()
+    before = len(traces)
     c = make_case("tiny-llama", prepare=freeze)
-    assert cap.trace_count() == before + 1  # one capture, one trace (there is no graph cache yet)
+    assert len(traces) == before + 1  # one capture, one trace (there is no graph cache yet)
     n_params = len(dict(c.model.named_parameters()))
     tg = c.tg
     assert tg.roles.count("frozen") == len(frozen)
@@ -99,17 +99,17 @@ def test_frozen_params_leave_the_grads(make_case):
         assert torch.equal(g, e), name
 
 
-def test_step_build_traces_once_and_reuses():
+def test_step_build_traces_once_and_reuses(traces):
     """Every policy of one shape rewrites the same trace, and a second `build` returns the graph it built."""
     model = load_model("tiny-llama", seed=0).model
     shape = step.StepShape.of(TrainSettings(model="tiny-llama", ctx=32, batch=1))
     planner = step.Planner(model)
-    before = cap.trace_count()
+    before = len(traces)
     graphs = {p: planner.build(shape, p) for p in ("off", "on", "dots")}
-    assert cap.trace_count() == before + 1
+    assert len(traces) == before + 1
     assert all(planner.build(shape, p) is g for p, g in graphs.items())
     assert planner.build(shape, True) is planner.build(shape, "layer") is graphs["on"]  # one policy
-    assert cap.trace_count() == before + 1
+    assert len(traces) == before + 1
 
 
 def test_a_shape_is_planned_once_and_each_caller_gets_its_own_copy(monkeypatch):

@@ -9,7 +9,7 @@ import pytest
 import torch
 from transformers.models.qwen3_5 import modeling_qwen3_5
 
-from remat.bench.compare import peak_during
+from remat.bench.common import peak_during
 from remat.core.graph import StepInputs
 from remat.core.plan import value_bytes
 from remat.models import delta_rule

@@ -129,9 +129,8 @@ def test_cancel_while_yielding_and_while_queued(tmp_path):
             time.sleep(0.01)
         time.sleep(0.1)
         assert m.get(a["id"])["yielding"] and m.get(a["id"])["step"] == 0
-        start = time.monotonic()
-        assert m.cancel(a["id"], wait=5)["status"] == "cancelled"
-        assert time.monotonic() - start < 1.0
+        assert m.cancel(a["id"], wait=5)["status"] == "cancelled"  # out of the scheduler's wait, not after a step
+        assert m.get(a["id"])["step"] == 0 and [e["event"] for e in m.events_since(a["id"])][-1] == "cancelled"
         assert [e["event"] for e in m.events_since(b["id"])] == ["queued", "cancelled"]
     finally:
         scheduler.decode_end()
@@ -277,11 +276,10 @@ def test_plan_is_submit_without_the_queue(tmp_path):
         m.close()
 
 
-def test_a_default_job_is_planned_as_the_manager_starts(tmp_path, monkeypatch):
+def test_a_default_job_is_planned_as_the_manager_starts(tmp_path, monkeypatch, traces):
     """What the first `POST /train` of a job of the server's defaults (the web page's) needs is made as the
     manager starts: its planning model (fake weights, the default LoRA) and the plans of its shape. That
     request traces nothing; a job of another shape traces once, and one with another LoRA gets its own model."""
-    from remat.core import capture
     from remat.training import gate
 
     built: list[bool] = []
@@ -293,12 +291,12 @@ def test_a_default_job_is_planned_as_the_manager_starts(tmp_path, monkeypatch):
         while not built and time.monotonic() < deadline:
             time.sleep(0.05)
         with m.torch.planning():  # the start's planning done
-            traces = capture.trace_count()
+            made = len(traces)
         assert built == [True]
         defaults = m.plan({"data": RECORDS})
-        assert defaults["policy"] == "off" and capture.trace_count() == traces and built == [True]
+        assert defaults["policy"] == "off" and len(traces) == made and built == [True]
         m.plan(SMALL)
-        assert capture.trace_count() == traces + 1 and built == [True]
+        assert len(traces) == made + 1 and built == [True]
         m.plan({**SMALL, "lora": {"r": 4}})
         assert built == [True, True]
     finally:
@@ -424,7 +422,7 @@ def test_restart_after_a_crash_keeps_adapters_and_resumes(tmp_path):
     assert os.path.exists(tmp_path / "state.db")
 
 
-def test_a_server_keeps_the_plans_of_the_shapes_it_planned_not_their_graphs(tmp_path, monkeypatch):
+def test_a_server_keeps_the_plans_of_the_shapes_it_planned_not_their_graphs(tmp_path, monkeypatch, traces):
     """Each new shape a client asks for is traced and planned; its plans are kept, so the same shape is
     answered again without a trace, but its graphs are not: a server asked shape after shape would hold
     every one's (SmolLM2 with LoRA: 25 MiB and 150,000 objects each) and walk them all in each collection."""
@@ -432,7 +430,6 @@ def test_a_server_keeps_the_plans_of_the_shapes_it_planned_not_their_graphs(tmp_
 
     from torch import fx
 
-    from remat.core import capture
 
     def live_nodes() -> int:
         gc.collect()
@@ -444,12 +441,12 @@ def test_a_server_keeps_the_plans_of_the_shapes_it_planned_not_their_graphs(tmp_
     try:
         first = m.plan(SMALL)
         before = live_nodes()
-        traces = capture.trace_count()
+        made = len(traces)
         for ctx in (40, 48, 56):
             m.plan({**SMALL, "ctx": ctx})
-        assert capture.trace_count() == traces + 3
+        assert len(traces) == made + 3
         assert live_nodes() == before
         again = m.plan(SMALL)  # from its plans (the budget is the memory free at the time)
-        assert again["plans"] == first["plans"] and capture.trace_count() == traces + 3
+        assert again["plans"] == first["plans"] and len(traces) == made + 3
     finally:
         m.close()

@@ -8,11 +8,11 @@ import functools
 import pytest
 import torch
 
-from planning import plan_settings
+from planning import live_at_peak, plan_settings
 from remat.base.settings import TrainSettings
 from remat.core.capture import EagerStridesFakeMode
 from remat.core.graph import StepInputs, TrainGraph
-from remat.core.plan import live_at_peak, measure, plan
+from remat.core.plan import measure, plan
 from remat.core.recompute import rewrite
 from remat.models.hf import causal_lm_loss
 from remat.models.load import build_from_config, load_config, load_model

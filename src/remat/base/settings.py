@@ -39,6 +39,10 @@ class UsageError(RematError, ValueError):
     exit_code = 2
 
 
+class AdapterError(UsageError):
+    """An adapter that cannot be made, saved or merged; the message is one line meant for the user."""
+
+
 class GateRefused(RematError):
     """The job does not fit the budget with any allowed setting; the message gives the figures."""
 

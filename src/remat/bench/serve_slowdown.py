@@ -331,20 +331,8 @@ def markdown(res: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", help="model spec for the server (default: embedded SmolLM2-135M)")
-    p.add_argument("--seconds", type=float, default=20.0, help="seconds per phase (default 20)")
-    p.add_argument("--pairs", type=int, default=2, help="baseline/training pairs per mode (default 2)")
-    p.add_argument("--max-slowdown-ppm", type=int, default=50_000, help="the server's bound (default 50000)")
-    p.add_argument("--ctx", type=int, default=64, help="the training job's ctx (default 64)")
-    p.add_argument("--threads", type=int, default=1, help="the server's torch threads (default 1)")
-    p.add_argument("--out", default=str(ROOT / "bench" / "results" / "serve_slowdown"))
-    args = p.parse_args(argv)
-    sys.path.insert(0, str(ROOT / "src"))
-
-    started = time.monotonic()
-    load_start = [round(x, 2) for x in os.getloadavg()]
+def _measure(args: argparse.Namespace, started: float) -> tuple[list[dict], str, dict]:
+    """One server: decode alone and beside a training job, for each mode; its runs, model and final metrics."""
     tmp = Path(tempfile.mkdtemp(prefix="remat-slowdown-"))
     log_path = tmp / "server.log"
     proc = None
@@ -355,8 +343,7 @@ def main(argv: list[str] | None = None) -> int:
         records = corpus_records(8)
         decode_phase(client, min(5.0, args.seconds), questions)  # warm-up
         runs = [run_mode(client, recompute, args, questions, records) for recompute in (False, True)]
-        model = client.ok("GET", "/props")["model"]
-        final_metrics = metrics(client)
+        return runs, client.ok("GET", "/props")["model"], metrics(client)
     except BaseException:
         if log_path.exists():
             print(log_path.read_text()[-4000:], file=sys.stderr)
@@ -371,6 +358,22 @@ def main(argv: list[str] | None = None) -> int:
                 proc.wait()
         shutil.rmtree(tmp, ignore_errors=True)
 
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", help="model spec for the server (default: embedded SmolLM2-135M)")
+    p.add_argument("--seconds", type=float, default=20.0, help="seconds per phase (default 20)")
+    p.add_argument("--pairs", type=int, default=2, help="baseline/training pairs per mode (default 2)")
+    p.add_argument("--max-slowdown-ppm", type=int, default=50_000, help="the server's bound (default 50000)")
+    p.add_argument("--ctx", type=int, default=64, help="the training job's ctx (default 64)")
+    p.add_argument("--threads", type=int, default=1, help="the server's torch threads (default 1)")
+    p.add_argument("--out", default=str(ROOT / "bench" / "results" / "serve_slowdown"))
+    args = p.parse_args(argv)
+    sys.path.insert(0, str(ROOT / "src"))
+
+    started = time.monotonic()
+    load_start = [round(x, 2) for x in os.getloadavg()]
+    runs, model, final_metrics = _measure(args, started)
     bound = args.max_slowdown_ppm
     res = {
         "model": model,

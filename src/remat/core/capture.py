@@ -11,7 +11,7 @@ from __future__ import annotations
 import operator
 import weakref
 from collections.abc import Callable, Sequence
-from typing import ClassVar, NamedTuple
+from typing import ClassVar, NamedTuple, cast
 
 import torch
 from torch import fx, nn
@@ -22,12 +22,6 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
 from remat.core.graph import StepInputs, TrainGraph, Workspaces, laid_out_on, tensors_in
-
-_traces = {"count": 0}  # traces made in this process: an epoch must not trace more than once
-
-
-def trace_count() -> int:
-    return _traces["count"]
 
 
 class Unrecordable(Exception):
@@ -84,28 +78,32 @@ def trace(model: nn.Module, loss_fn, inputs: dict[str, tuple[str, torch.Tensor]]
                 hook.remove()
         return (seeded.loss, *(sums or grads[:n_train]))
 
-    example = tensors.args(*(t for _, t in inputs.values()))
-    if len({id(t) for t in example}) != len(example):
-        raise ValueError("each input must be its own tensor (make_fx merges repeated inputs)")
-    # a model built under a fake mode (planning without weights) brings its own
-    mode = next((t.fake_mode for t in example if isinstance(t, FakeTensor)), None)
-    planned_only = mode is not None
-    mode = mode or EagerStridesFakeMode(allow_non_fake_inputs=True)
-    example = [t if isinstance(t, FakeTensor) else mode.from_tensor(t) for t in example]
-    with mode:
-        example += [torch.zeros_like(t) for t in example[:len(sum_names)]]
+    example, planned_only = _fake_inputs(tensors.args(*(t for _, t in inputs.values())), len(sum_names))
     # a lazy module makes its Python code on its first call: a trace that is only planned never pays for it
-    with torch.enable_grad(), mode, _use_lazy_graph_module(True):
+    with torch.enable_grad(), cast(FakeTensor, example[0]).fake_mode, _use_lazy_graph_module(True):
         gm = _recorded(recorder, step, example) if planned_only and recorder is not None else None
         if gm is None:
             del boundary[:]
             # The torch-function metadata mode only names each node's torch call in its meta (read by nothing
             # here), and intercepting every call cost 7 % of a trace.
             gm = make_fx(step, _disable_torch_fn_metadata_mode=True)(*example)
-    _traces["count"] += 1
     sum_in_place(gm, boundary[0])
     return TrainGraph(gm=gm, roles=roles, names=[*model_names, *inputs, *sum_names], boundary=boundary[0],
                       info=info or {}, workspaces=workspaces or {})
+
+
+def _fake_inputs(example: list[torch.Tensor], sums: int) -> tuple[list[torch.Tensor], bool]:
+    """The step's arguments as fake tensors, the first `sums` again as zeroed gradient sums at the end; and
+    whether the model was built under a fake mode (planned only: its tensors bring their mode)."""
+    if len({id(t) for t in example}) != len(example):
+        raise ValueError("each input must be its own tensor (make_fx merges repeated inputs)")
+    mode = next((t.fake_mode for t in example if isinstance(t, FakeTensor)), None)
+    planned_only = mode is not None
+    mode = mode or EagerStridesFakeMode(allow_non_fake_inputs=True)
+    fakes: list[torch.Tensor] = [t if isinstance(t, FakeTensor) else mode.from_tensor(t) for t in example]
+    with mode:
+        fakes += [torch.zeros_like(t) for t in fakes[:sums]]
+    return fakes, planned_only
 
 
 def _recorded(recorder: Recorder, step: Callable, example: list[torch.Tensor]) -> fx.GraphModule | None:

@@ -16,10 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-import ctypes
 import dataclasses
-import functools
-import gc
 from collections.abc import Callable, Hashable, Iterator, Sequence, Set
 from dataclasses import asdict, dataclass
 
@@ -158,39 +155,8 @@ def _lifetimes(tg: TrainGraph) -> tuple[list[fx.Node], Lives, set]:
     return nodes, lives(held, last_read, inputs, outputs, [tg.workspace(n) for n in nodes]), outputs
 
 
-def live_at_peak(tg: TrainGraph, outputs: bool = False) -> tuple[int, fx.Node | None, list[tuple[fx.Node, int]]]:
-    """The peak of graph-allocated bytes (with `outputs`, and the outputs made so far), the node where it is
-    reached, and what is live then."""
-    nodes, life, kept = _lifetimes(tg)
-    peak, at, live = _sweep(len(nodes), life, frozenset() if outputs else kept)
-    return peak, None if at is None else nodes[at], [(nodes[maker], size) for maker, size in live]
-
-
-def _sweep(count: int, life: Lives, skip: Set) -> tuple[int, int | None, list[tuple[int, int]]]:
-    """The peak of live bytes over `count` positions, where it is, and what is live then (maker, bytes)."""
-    made_at: dict[int, list[Hashable]] = {}
-    frees_at: dict[int, list[Hashable]] = {}
-    for s, (maker, _, end) in life.items():
-        if s not in skip:
-            made_at.setdefault(maker, []).append(s)
-            frees_at.setdefault(end, []).append(s)
-    live: set[Hashable] = set()
-    total = peak = 0
-    peak_at, peak_set = None, set()
-    for i in range(count):
-        for s in made_at.get(i, ()):
-            live.add(s)
-            total += life[s][1]
-        if total > peak:
-            peak, peak_at, peak_set = total, i, set(live)
-        for s in frees_at.get(i, ()):
-            live.discard(s)
-            total -= life[s][1]
-    return peak, peak_at, sorted(((life[s][0], life[s][1]) for s in peak_set), key=lambda x: -x[1])
-
-
 def _peaks(count: int, life: Lives, outputs: Set) -> tuple[int, int]:
-    """`_sweep`'s peak without the `outputs` (`graph`) and with them (`step`), in one pass that does not keep
+    """The peak of live bytes without the `outputs` (`graph`) and with them (`step`), in one pass that does not keep
     what is live: a plan needs only the two figures."""
     made, freed = [0] * (count + 1), [0] * (count + 1)  # all storages' bytes, made and freed at each position
     made_out, freed_out = [0] * (count + 1), [0] * (count + 1)  # the outputs' alone
@@ -208,11 +174,6 @@ def _peaks(count: int, life: Lives, outputs: Set) -> tuple[int, int]:
         total -= freed[i]
         out -= freed_out[i]
     return graph, step
-
-
-def graph_peak(tg: TrainGraph) -> int:
-    """Peak live bytes of graph-allocated storages over the node order."""
-    return live_at_peak(tg)[0]
 
 
 def _made_grads(tg: TrainGraph) -> int:
@@ -419,78 +380,6 @@ def _peak(events: list[tuple[int, int]], skip: frozenset[int] | set[int] = froze
         if i not in skip:
             live += b
             peak = max(peak, live)
-    return peak
-
-
-# ---------------------------------------------------------------------------------------- the gate
-
-def available_memory(device: torch.device | str = "cpu") -> int:
-    """Free memory of the device: on CPU the kernel's MemAvailable estimate."""
-    if torch.device(device).type == "cuda":
-        return torch.cuda.mem_get_info(device)[0]
-    with open("/proc/meminfo") as f:
-        for line in f:
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    raise OSError("cannot read MemAvailable from /proc/meminfo")
-
-
-@functools.cache
-def _libc() -> ctypes.CDLL | None:
-    """glibc, where the process has it."""
-    try:
-        return ctypes.CDLL("libc.so.6")
-    except OSError:
-        return None
-
-
-def return_freed_memory() -> None:
-    """Have glibc give large freed blocks (1 MiB and up) back to the kernel at once.
-
-    By default glibc raises its mmap threshold as large blocks are freed (up to 32 MiB) and then serves
-    them from its heap, which it cannot shrink past a live block: the process peak grows past what is live
-    (SmolLM2 LoRA at ctx 1024, recompute on: 1,910 MiB against 1,303 with this set). Elsewhere, a no-op."""
-    libc = _libc()
-    if libc is not None:
-        libc.mallopt(-3, 1 << 20)  # M_MMAP_THRESHOLD, which also turns the dynamic threshold off
-
-
-def trim_heap() -> None:
-    """Collect garbage, then have glibc give the heap memory it holds freed back to the kernel (`malloc_trim(0)`,
-    every arena), so that the resident set is what is live. Where libc has no `malloc_trim`, only the collection.
-
-    Without it, a step that follows another in one process reuses the heap that step freed (tensors under
-    the 1 MiB mmap threshold of `return_freed_memory`) without growing the resident set: its process peak
-    above its start reads near 0 however much it allocates (the bench's interleaved variants)."""
-    gc.collect()
-    libc = _libc()
-    if libc is not None and hasattr(libc, "malloc_trim"):
-        libc.malloc_trim(0)
-
-
-def resident() -> int:
-    """The process's resident set now (bytes): the `runtime` category, read before the model loads."""
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * (1 << 12)
-
-
-def reset_process_peak() -> None:
-    """Start the kernel's peak resident set (VmHWM) again from the resident set now (Linux)."""
-    with contextlib.suppress(OSError), open("/proc/self/clear_refs", "w") as f:
-        f.write("5")
-
-
-def process_peak() -> dict[str, int]:
-    """What the whole process has taken at most so far: peak resident set (VmHWM), and on CUDA the
-    allocator's peaks (`max_memory_allocated` in use, `max_memory_reserved` held)."""
-    peak = {}
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmHWM:"):
-                peak["rss"] = int(line.split()[1]) * 1024
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        peak["cuda_allocated"] = torch.cuda.max_memory_allocated()
-        peak["cuda_reserved"] = torch.cuda.max_memory_reserved()
     return peak
 
 

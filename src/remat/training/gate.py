@@ -20,7 +20,8 @@ from torch import nn
 
 from remat.base.settings import GateRefused, TrainSettings
 from remat.core.capture import EagerStridesFakeMode
-from remat.core.plan import Plan, available_memory, mib
+from remat.core.plan import Plan, mib
+from remat.core.process import available_memory
 from remat.models import adapters
 from remat.models import load as models
 from remat.training.distributed import Ranks

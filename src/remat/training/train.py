@@ -19,7 +19,8 @@ from tqdm import tqdm
 from remat.base.files import staged
 from remat.base.settings import RematError, TrainSettings, UsageError, percentile
 from remat.core.graph import StepInputs, TrainGraph
-from remat.core.plan import Measured, measure, preflight, process_peak, resident, return_freed_memory, trim_heap
+from remat.core.plan import Measured, measure, preflight
+from remat.core.process import process_peak, resident, return_freed_memory, trim_heap
 from remat.models import adapters
 from remat.models import load as models
 from remat.models.hf import UnsupportedModel
