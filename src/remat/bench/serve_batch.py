@@ -240,26 +240,13 @@ def plot(res: dict, path: Path) -> None:
     fig.savefig(path, dpi=110)
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", help="model spec for the server (default: embedded SmolLM2-135M)")
-    p.add_argument("--rounds", type=int, default=3, help="rounds of one client and of four (default 3)")
-    p.add_argument("--seconds", type=float, default=30.0, help="seconds per training-under-load phase (default 30)")
-    p.add_argument("--pairs", type=int, default=1, help="baseline/training pairs (default 1; 0: skip)")
-    p.add_argument("--max-slowdown-ppm", type=int, default=50_000, help="the server's bound (default 50000)")
-    p.add_argument("--ctx", type=int, default=64, help="the training job's ctx (default 64)")
-    p.add_argument("--threads", type=int, default=1, help="the server's torch threads (default 1)")
-    p.add_argument("--out", default=str(ROOT / "bench" / "results" / "serve_batch"))
-    args = p.parse_args(argv)
-
-    started = time.monotonic()
-    load_start = [round(x, 2) for x in os.getloadavg()]
+def measure(args: argparse.Namespace) -> dict:
+    """Start the server, run the rounds and the training phases; the figures (not yet summed up)."""
     tmp = Path(tempfile.mkdtemp(prefix="remat-batch-"))
     log_path = tmp / "server.log"
     proc = None
     try:
         proc, client = slow.start_server(args, tmp / "state", log_path, parallel=CLIENTS)
-        print(f"server ready in {time.monotonic() - started:.0f} s", file=sys.stderr)
         questions = slow.prompts()
         run_round(client.port, questions, CLIENTS, 0)  # warm-up
         rounds = []
@@ -268,7 +255,7 @@ def main(argv: list[str] | None = None) -> int:
                 rounds.append(run_round(client.port, questions, clients, i * CLIENTS))
                 print(f"round {i + 1}, {clients} client(s): {rounds[-1]['tps']:.2f} tok/s", file=sys.stderr)
         training = training_under_load(client, client.port, questions, args) if args.pairs else None
-        model = client.ok("GET", "/props")["model"]
+        return {"model": client.ok("GET", "/props")["model"], "rounds": rounds, "training": training}
     except BaseException:
         if log_path.exists():
             print(log_path.read_text()[-4000:], file=sys.stderr)
@@ -283,13 +270,28 @@ def main(argv: list[str] | None = None) -> int:
                 proc.wait()
         shutil.rmtree(tmp, ignore_errors=True)
 
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", help="model spec for the server (default: embedded SmolLM2-135M)")
+    p.add_argument("--rounds", type=int, default=3, help="rounds of one client and of four (default 3)")
+    p.add_argument("--seconds", type=float, default=30.0, help="seconds per training-under-load phase (default 30)")
+    p.add_argument("--pairs", type=int, default=1, help="baseline/training pairs (default 1; 0: skip)")
+    p.add_argument("--max-slowdown-ppm", type=int, default=50_000, help="the server's bound (default 50000)")
+    p.add_argument("--ctx", type=int, default=64, help="the training job's ctx (default 64)")
+    p.add_argument("--threads", type=int, default=1, help="the server's torch threads (default 1)")
+    p.add_argument("--out", default=str(ROOT / "bench" / "results" / "serve_batch"))
+    args = p.parse_args(argv)
+    started, load_start = time.monotonic(), [round(x, 2) for x in os.getloadavg()]
+    got = measure(args)
+    rounds, training = got["rounds"], got["training"]
     one = statistics.median(r["tps"] for r in rounds if r["clients"] == 1)
     four = statistics.median(r["tps"] for r in rounds if r["clients"] == CLIENTS)
     res = {
-        "model": model, "threads": args.threads, "seconds": args.seconds, "pairs": args.pairs, "ctx": args.ctx,
-        "max_slowdown_ppm": args.max_slowdown_ppm, "machine": f"{platform.machine()}, {os.cpu_count()} CPUs",
-        "loadavg_start": load_start, "loadavg_end": [round(x, 2) for x in os.getloadavg()],
-        "elapsed_s": round(time.monotonic() - started, 1),
+        "model": got["model"], "threads": args.threads, "seconds": args.seconds, "pairs": args.pairs,
+        "ctx": args.ctx, "max_slowdown_ppm": args.max_slowdown_ppm,
+        "machine": f"{platform.machine()}, {os.cpu_count()} CPUs", "loadavg_start": load_start,
+        "loadavg_end": [round(x, 2) for x in os.getloadavg()], "elapsed_s": round(time.monotonic() - started, 1),
         "throughput": {"rounds": rounds, "tps_one": round(one, 2), "tps_four": round(four, 2),
                        "ratio": round(four / one, 3), "target_met": four / one >= TARGET},
         "training": training,
@@ -298,10 +300,9 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "results.json").write_text(json.dumps(res, indent=1) + "\n")
-    md = markdown(res)
-    (out / "results.md").write_text(md)
+    (out / "results.md").write_text(markdown(res))
     plot(res, out / "results.png")
-    print(md)
+    print(markdown(res))
     return 0
 
 

@@ -22,7 +22,7 @@ import collections
 import logging
 import threading
 import time
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 import torch
 
@@ -31,15 +31,27 @@ from remat.serve.decoding import Choice, Generation
 from remat.serve.errors import ApiError
 from remat.serve.sampling import pick
 
-if TYPE_CHECKING:
-    from remat.serve.engine import Engine
-
-__all__ = ["Decoder"]
+__all__ = ["Decoder", "Host"]
 
 log = logging.getLogger("remat.serve")
 
 PREFILL_CHUNK = 64  # prompt tokens per forward while other sequences decode (~3 decode steps of SmolLM2)
 PREFILL_ALONE = 512  # prompt tokens per forward while nothing else decodes
+
+
+class Host(Protocol):
+    """What the loop needs of the served model (`remat.serve.engine.Engine`)."""
+
+    parallel: int
+    n_ctx: int
+    model: Any
+
+    def forward(self, input_ids: torch.Tensor, cache, **kw) -> Any: ...
+    def apply_lora(self, key: Any) -> None: ...
+    def stepped(self, rows: int, seconds: float) -> None: ...
+    def record(self, c: Choice) -> None: ...
+    def decode_begin(self) -> None: ...
+    def decode_end(self) -> None: ...
 
 
 class _Batch:
@@ -59,7 +71,7 @@ class _Prefill:
 class Decoder:
     """The decode loop's thread and its queue. `submit` from any thread; the rest runs in the loop."""
 
-    def __init__(self, engine: Engine):
+    def __init__(self, engine: Host):
         self.e = engine
         self.cond = threading.Condition()
         self.queue: collections.deque[Choice] = collections.deque()
@@ -215,8 +227,7 @@ class Decoder:
 
     def _started(self, c: Choice) -> None:
         c.started()
-        if self.e.scheduler is not None:
-            self.e.scheduler.decode_begin()
+        self.e.decode_begin()
 
     def _accept(self, c: Choice, token: int, probs) -> bool:
         if c.accept(token, probs):
@@ -229,8 +240,7 @@ class Decoder:
         self._ended(c)
 
     def _ended(self, c: Choice) -> None:
-        if self.e.scheduler is not None:
-            self.e.scheduler.decode_end()
+        self.e.decode_end()
         self.e.record(c)
 
     def _drop_cancelled(self) -> None:
@@ -260,7 +270,6 @@ class Decoder:
         running = [c for b in self.batches for c in b.rows] + ([self.prefill.choice] if self.prefill else [])
         self.batches, self.prefill = [], None
         for _ in running:
-            if self.e.scheduler is not None:
-                self.e.scheduler.decode_end()
+            self.e.decode_end()
         for g in {id(c.gen): c.gen for c in running}.values():
             self._fail(g, e)

@@ -12,7 +12,6 @@ settings (`apply_lora`) when nothing else is decoding.
 
 from __future__ import annotations
 
-import functools
 import inspect
 import threading
 from collections.abc import Callable
@@ -35,6 +34,22 @@ if TYPE_CHECKING:
     from remat.models.load import LoadedModel
 
 __all__ = ["Engine"]
+
+
+def _byte_alphabet() -> dict[str, int]:
+    """GPT-2's byte-level BPE alphabet, inverted: the printable stand-in of each of the 256 bytes -> the byte."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    out, extra = {}, 0
+    for b in range(256):
+        if b in printable:
+            out[chr(b)] = b
+        else:
+            out[chr(256 + extra)] = b
+            extra += 1
+    return out
+
+
+BYTE_OF = _byte_alphabet()
 
 
 class Engine:
@@ -266,6 +281,15 @@ class Engine:
         box called with transformers' arguments, so a faster forward (quantized weights) drops in here."""
         return self.model(input_ids=input_ids, use_cache=True, logits_to_keep=1, **{self._cache_kw: cache}, **kw)
 
+    def decode_begin(self) -> None:
+        """A sequence took a slot (the scheduler counts busy slots)."""
+        if self.scheduler is not None:
+            self.scheduler.decode_begin()
+
+    def decode_end(self) -> None:
+        if self.scheduler is not None:
+            self.scheduler.decode_end()
+
     def stepped(self, rows: int, seconds: float) -> None:
         """A decode step of `rows` sequences took `seconds`: for /metrics and the training scheduler."""
         with self._stats_lock:
@@ -295,19 +319,13 @@ class Engine:
         growth step). A training job's budget leaves room for what of this is not held yet."""
         return self.parallel * (self._kv_fixed + self._kv_token * self.n_ctx)
 
-    @functools.cached_property
-    def _byte_of(self) -> dict[str, int]:
-        from remat.models.load import _bytes_to_unicode
-
-        return {ch: b for b, ch in _bytes_to_unicode().items()}
-
     def token_piece(self, token: int) -> tuple[str, list[int]]:
         """A token's own text and its bytes, as the logprobs of OpenAI and llama.cpp report them: the bytes
         of a byte-level BPE token (GPT-2's alphabet), else of its decoded text; the text is their longest
         UTF-8 prefix."""
         name = self.tokenizer.convert_ids_to_tokens(token)
-        if isinstance(name, str) and name and all(ch in self._byte_of for ch in name):
-            raw = bytes(self._byte_of[ch] for ch in name)
+        if isinstance(name, str) and name and all(ch in BYTE_OF for ch in name):
+            raw = bytes(BYTE_OF[ch] for ch in name)
         else:
             raw = str(self.tokenizer.decode([token])).encode("utf-8", "surrogatepass")
         for cut in range(len(raw), max(len(raw) - 4, -1), -1):
