@@ -85,7 +85,6 @@ class Sampling:
         d = asdict(self)
         d["logit_bias"] = [[t, b if math.isfinite(b) else False] for t, b in self.logit_bias]
         d["samplers"], d["n_probs"] = list(self.samplers), self.logprobs or 0
-        d["typ_p"] = d.pop("typical_p")
         del d["logprobs"]
         return d
 
