@@ -200,8 +200,8 @@ def markdown(res: dict) -> str:
             (f"Four clients loop {TOKENS}-token completions, {res['seconds']:g} s a phase, B T x {res['pairs']}; "
              f"a LoRA job at ctx {res['ctx']} trains in T. Bound `--max-slowdown-ppm {res['max_slowdown_ppm']}`."),
             "",
-            "| pair | baseline tok/s | training tok/s | requests B/T | p95 ms per token B/T | job chunks "
-            "| server ppm | source |",
+            "| pair | baseline tok/s a client | training tok/s a client | requests B/T | p95 ms per token B/T "
+            "| job chunks | server ppm | source |",
             "|---:|---:|---:|---|---|---:|---:|---|",
         ]
         for i, p in enumerate(tr["pairs"], 1):
@@ -211,8 +211,9 @@ def markdown(res: dict) -> str:
                          f"| {j['slowdown_source']} |")
         lines += [
             "",
-            (f"Pooled: {tr['tps_baseline']:.2f} tok/s without training, {tr['tps_training']:.2f} with: client "
-             f"slowdown {tr['slowdown_ppm_client']} ppm; the server's measure {server} ppm. Bound held: "
+            (f"Pooled (each answer's `timings`, decoding only): {tr['tps_baseline']:.2f} tok/s a client without "
+             f"training, {tr['tps_training']:.2f} with: client slowdown {tr['slowdown_ppm_client']} ppm; the "
+             f"server's measure (its steps by batch size) {server} ppm. Bound held: "
              f"**{'yes' if res['training_target_met'] else 'no'}** (client), "
              f"**{'yes' if server is not None and server <= res['max_slowdown_ppm'] else 'no'}** (server)."),
         ]
