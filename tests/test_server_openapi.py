@@ -90,7 +90,13 @@ def test_every_route_documents_its_answers_and_errors():
     # the served model's bounds (tiny-llama: a context of 2048 tokens, 259 token ids), as the server checks them
     schemas = doc["components"]["schemas"]
     text, ids = schemas["CompletionRequest"]["properties"]["prompt"]["anyOf"]
-    assert text["maxLength"] == 32 * 2048 and ids["maxItems"] == 2047 and ids["items"]["maximum"] == 258
+    token, item_text, mixed, _ = ids["items"]["anyOf"]  # a token id, a text, a prompt of both, llama.cpp's object
+    assert text["maxLength"] == item_text["maxLength"] == 32 * 2048 and ids["maxItems"] == 2047
+    assert token["maximum"] == mixed["items"]["anyOf"][0]["maximum"] == 258
+    # a field remat does not implement is documented with the only values it takes; n with --parallel (1 here)
+    chat = schemas["ChatRequest"]["properties"]
+    assert chat["mirostat"]["enum"] == [0, None] and "not supported" in chat["mirostat"]["description"]
+    assert chat["n"]["anyOf"][0]["maximum"] == 1 and chat["tools"]["enum"] == [[], None]
     assert schemas["TokenizeRequest"]["properties"]["content"]["maxLength"] == 32 * 2048
     assert schemas["DetokenizeRequest"]["properties"]["tokens"]["items"]["maximum"] == 258
     events = {p["name"]: p for p in doc["paths"]["/train/{job_id}/events"]["get"]["parameters"]}
