@@ -450,3 +450,24 @@ def test_a_server_keeps_the_plans_of_the_shapes_it_planned_not_their_graphs(tmp_
         assert again["plans"] == first["plans"] and len(traces) == made + 3
     finally:
         m.close()
+
+
+def test_a_jobs_budget_leaves_room_for_the_decode_slots(tmp_path):
+    """Read from free memory, a job's budget is less what the decode slots' KV caches may still take; a budget
+    set (the server's, or the job's own below it) is what the job may allocate."""
+    from remat.base.settings import TrainSettings
+
+    s = TrainSettings(model="tiny-llama", out="x")
+    m = new_manager(tmp_path, decode_reserve=lambda: 123 << 20)
+    try:
+        free = m.budget(s)
+        assert free.read and free.deducted == (("the decode slots' KV caches still to grow", 123 << 20),)
+        own = m.budget(s.model_copy(update={"memory_budget": 1 << 20}))
+        assert (own.bytes, own.deducted) == (1 << 20, ())
+    finally:
+        m.close()
+    m = new_manager(tmp_path / "capped", decode_reserve=lambda: 123 << 20, memory_budget=64 << 20)
+    try:
+        assert (m.budget(s).bytes, m.budget(s).deducted) == (64 << 20, ())
+    finally:
+        m.close()

@@ -15,6 +15,7 @@ import builtins
 import json
 import logging
 import secrets
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -59,11 +60,14 @@ class _Planned:
 
 class JobManager:
     def __init__(self, *, model: str | None, state_dir: Path, scheduler: Scheduler,
-                 memory_budget: int | None = None, save_every: int = 1, tokenizer=None):
+                 memory_budget: int | None = None, save_every: int = 1, tokenizer=None,
+                 decode_reserve: Callable[[], int] = lambda: 0):
         """`model`: the spec the server trains (None: the embedded default). `save_every`: steps between
         checkpoints of a job that does not say (they make a crashed job resumable). `tokenizer`: the served
-        model's, to check at submit that the data gives windows (presets bring their own)."""
+        model's, to check at submit that the data gives windows (presets bring their own). `decode_reserve`: what
+        the decode slots' KV caches may still grow by (a job's budget read from free memory leaves it)."""
         self.model, self.scheduler, self.memory_budget = model, scheduler, memory_budget
+        self.decode_reserve = decode_reserve
         self.save_every = save_every
         self.state_dir = Path(state_dir)
         self.state_dir.mkdir(parents=True, exist_ok=True)
@@ -286,9 +290,7 @@ class JobManager:
         """The gate on the graph the job will run, planned on fake tensors (no weights) against the job's budget
         (its own `memory_budget` at most the server's): the policy that fits, why, and the plans; 422 with the
         figures when nothing fits."""
-        server = gate.Budget(self.memory_budget, "the server's --memory-budget") if self.memory_budget else \
-            gate.Budget.of()
-        budget = gate.Budget.of(s.memory_budget, cap=server)
+        budget = self.budget(s)
         planners = self._planners_of_model()
         with self.torch.planning():
             try:
@@ -309,6 +311,13 @@ class JobManager:
         answer = admitted.answer()
         return {"plans": answer["plans"], "policy": admitted.policy, "recompute": admitted.policy != "off",
                 "recompute_reason": answer["recompute_reason"], "budget": budget.bytes}
+
+    def budget(self, s: TrainSettings) -> gate.Budget:
+        """A job's budget: its own `memory_budget` at most the server's (`--memory-budget`; else the free memory,
+        less what the decode slots' KV caches may still take)."""
+        server = gate.Budget(self.memory_budget, "the server's --memory-budget") if self.memory_budget else \
+            gate.Budget.of().less("the decode slots' KV caches still to grow", self.decode_reserve())
+        return gate.Budget.of(s.memory_budget, cap=server)
 
     def _warm(self) -> None:
         """Make what the first `POST /train` of a job of the server's defaults (the web page's) needs: the

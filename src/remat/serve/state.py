@@ -47,7 +47,12 @@ class Server:
         try:
             engine.load()
             self.state_dir.mkdir(parents=True, exist_ok=True)
+
+            def reserve() -> int:  # what the decode slots' KV caches may still take
+                return max(0, engine.kv_cache_reserve() - engine.kv_cache_bytes())
+
             self.jobs = JobManager(model=self.model_spec, state_dir=self.state_dir, scheduler=scheduler,
+                                   decode_reserve=reserve,
                                    memory_budget=self.memory_budget, tokenizer=engine.tokenizer)
             self.ready.set()
             log.info("model %s loaded (n_ctx %d)", engine.name, engine.n_ctx)
