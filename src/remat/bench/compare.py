@@ -264,7 +264,7 @@ def run_bench(model: str | None, ctx: int, batch: int = 1, steps: int = 3, path:
             print(f"bench: {text}", file=sys.stderr, flush=True)
 
     return_freed_memory()  # as the trainer does: the process peaks follow what is live
-    loaded = models.load_model(model, seed=seed)
+    loaded = models.load_model(model, seed=seed, as_stored=lora)  # full fine-tuning trains float32 weights
     models.check_ctx(ctx, loaded.model.config)
     base: nn.Module = loaded.model.to(device)  # type: ignore[arg-type]  # transformers types .to oddly
     copies = [base] + [copy.deepcopy(base) for _ in names[1:]]  # the same initial weights, before any use

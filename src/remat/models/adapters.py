@@ -10,6 +10,7 @@ being told.
 from __future__ import annotations
 
 import warnings
+from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,7 +23,8 @@ import torch
 from torch import nn
 
 from remat.base.files import listing, staged, staged_file
-from remat.base.settings import UsageError, one_line
+from remat.base.settings import Note, UsageError, one_line
+from remat.models import stored
 from remat.models.load import ModelError, load_model, module_lock
 
 if TYPE_CHECKING:  # peft takes a second to import: only LoRA pays for it
@@ -484,6 +486,16 @@ def write_gguf_adapter(model: peft.PeftModel, path: Path, *, base_gguf: Path | N
 # merge
 
 
+def _float_base(model: nn.Module) -> None:
+    """The base's stored weights (GGUF blocks, bf16) made float32 for the merge, in place, saying so: a merged
+    weight is the float weight plus B·A, which no stored type holds."""
+    kinds = Counter(gguf.GGMLQuantizationType(p.qtype).name for _, p, _ in stored.stored(model))
+    if kinds:
+        held = ", ".join(f"{n} {kind}" for kind, n in sorted(kinds.items()))
+        warnings.warn(f"the base holds {held} weights: the merged model is written in float32", Note, stacklevel=3)
+        stored.to_float(model)
+
+
 def merge_into_base(base_spec: str | None, adapter_dir: str | Path, out: str | Path, *, seed: int = 0,
                     num_layers: int | None = None) -> list[str]:
     """Load the base, apply the adapter, merge it into the weights and save an HF model folder at `out`.
@@ -506,6 +518,7 @@ def merge_into_base(base_spec: str | None, adapter_dir: str | Path, out: str | P
         lm = load_model(None if spec == DEFAULT_BASE else spec, seed=seed, num_layers=num_layers)
     except ModelError as e:
         raise AdapterError(f"cannot load the base model: {e}") from None
+    _float_base(lm.model)
 
     try:
         model = peft.PeftModel.from_pretrained(lm.model, adapter_dir)

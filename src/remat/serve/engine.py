@@ -274,7 +274,8 @@ class Engine:
         from remat.models.load import ModelError, load_model
 
         try:
-            lm = load_model(self.spec, seed=self.seed)
+            # float32 weights: decoding from the stored blocks is a later piece (issue 40, item 5)
+            lm = load_model(self.spec, seed=self.seed, as_stored=False)
             if self.requested_ctx is not None and self.requested_ctx > lm.max_ctx:
                 raise ModelError(f"--ctx {self.requested_ctx} is above the model's maximum context {lm.max_ctx}")
         except Exception as e:  # reported by /health; the server stays up

@@ -25,7 +25,7 @@ from remat.core.graph import TrainGraph
 from remat.core.plan import Plan, mib, plan, world_size
 from remat.core.recompute import Rewriter, keep_reasons, saved_nodes
 from remat.fastplan import pieces, stamp
-from remat.models import adapters
+from remat.models import adapters, planned, stored
 from remat.models import load as models
 from remat.training import walk
 
@@ -79,16 +79,30 @@ def _build(at: _Step, policy: str | bool) -> TrainGraph:
     name = policy_name(policy)
     graphs = at.cache("_remat_graphs")
     if name not in graphs:
-        chosen = at.cache("_remat_saved_back").get(name) or policies.parse(name)
-        graphs[name] = _trace(at) if chosen is None else _rewriter(at)(chosen)
+        chosen = at.cache("_remat_saved_back").get(name) or _policy(at, name)
+        graphs[name] = _traced_step(at) if chosen is None else _rewriter(at)(chosen)
     return graphs[name]
+
+
+def _policy(at: _Step, name: str) -> policies.Policy | None:
+    """The policy named; for off, None (the trace as it is), but where the model holds stored weights
+    (`remat.models.stored`) the trace rewritten to recompute their float copies alone (quant)."""
+    return policies.parse(name) or (policies.everything() if any(stored.stored(at.model)) else None)
+
+
+def _traced_step(at: _Step) -> TrainGraph:
+    """The step as traced, before any rewrite."""
+    graphs = at.cache("_remat_graphs")
+    if "traced" not in graphs:
+        graphs["traced"] = _trace(at)
+    return graphs["traced"]
 
 
 def _rewriter(at: _Step) -> Rewriter:
     """The rewriter of the traced step: every policy's rewrite, and each probe of a budget search, shares it."""
     made = at.cache("_remat_rewriters")
     if "rewriter" not in made:
-        made["rewriter"] = Rewriter(_build(at, "off"))
+        made["rewriter"] = Rewriter(_traced_step(at))
     return made["rewriter"]
 
 
@@ -168,7 +182,7 @@ def _plan(at: _Step, policy: str) -> Plan:
 def _planned(at: _Step, name: str) -> Plan:
     if name in at.cache("_remat_graphs"):  # a graph already made
         return plan(_build(at, name))
-    chosen = policies.parse(name)
+    chosen = _policy(at, name)
     stamper = _stamper(at) if name in LAYERS_ALIKE else None
     if stamper is not None:  # planned from the few layers traced, rewritten: no graph of the whole step
         with contextlib.suppress(stamp.NotStampable):
@@ -250,10 +264,11 @@ def _save_back(at: _Step, budget: int, faster: str, fitting: str, fitting_plan: 
     one the backward reads), the costliest to recompute per byte first, as many as fit."""
     rewriter = _rewriter(at)
     fit = policies.parse(fitting)
-    fast = policies.parse(faster) or policies.Policy("off", lambda n: True)
+    fast = policies.parse(faster) or policies.everything()
     assert fit is not None
     kept = keep_reasons(rewriter.tg, fit)
-    extra = [n for n in saved_nodes(rewriter.tg) if n not in kept and fast.saves(n)]
+    extra = [n for n in saved_nodes(rewriter.tg) if n not in kept and fast.saves(n)
+             and not policies.always_recomputed(n)]  # quant: no float copy of a stored weight is saved back
     extra.sort(key=lambda n: -policies.recompute_cost(n) / max(1, _nbytes(n)))
 
     def saving(k: int) -> tuple[policies.Policy, dict]:
@@ -340,6 +355,7 @@ def planning_model(config, s: TrainSettings, budget: int | None = None) -> nn.Mo
     model: nn.Module
     with EagerStridesFakeMode(allow_non_fake_inputs=True):
         model = models.build_from_config(config, seed=s.seed)
+    model = planned.plan_as_stored(model, s.model, s.weights, s.lora)  # quant: frozen weights as loaded
     lora = lora_settings(s)
     if lora is not None:  # outside the fake mode: PEFT cannot swap fake weights, and the adapter is small
         if budget is not None:

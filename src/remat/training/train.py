@@ -123,6 +123,8 @@ def finetune(s: TrainSettings, *, progress: bool = True, hooks: Hooks | None = N
 
 
 def _finetune(s: TrainSettings, dp: distributed.Ranks, *, progress: bool, hooks: Hooks) -> Receipt:
+    if s.weights is not None:
+        raise UsageError("--weights sizes a plan (`remat plan`); training holds the weights the model stores")
     local = dp.local(s)  # what one rank traces and runs: its share of the global batch (one process: s)
     return_freed_memory()  # the process peak then follows what is live, as the plan counts it
     runtime = resident()  # the process before the model: the plans' `runtime`; free memory excludes it
@@ -140,7 +142,8 @@ def _finetune(s: TrainSettings, dp: distributed.Ranks, *, progress: bool, hooks:
             budget -= max(0, planned_at - runtime)
         runtime = planned_at
     torch.manual_seed(s.seed)
-    loaded = models.load_model(s.model)  # a preset's weights are fixed: the seed is the run's, not the base's
+    # a preset's weights are fixed: the seed is the run's, not the base's. A LoRA's base stays as stored (quant).
+    loaded = models.load_model(s.model, as_stored=s.lora)
     models.check_ctx(s.ctx, loaded.model.config)
     windows = data.load_windows(records, loaded.tokenizer, s.ctx, s.batch, pack=s.pack)
     per_epoch, total = s.optimizer_steps(len(windows))
