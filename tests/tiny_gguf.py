@@ -22,21 +22,23 @@ MIXED = {"token_embd": Q.Q8_0, "output": Q.Q6_K, "attn_q": Q.Q4_K, "attn_k": Q.Q
          "attn_output": Q.Q4_0, "ffn_gate": Q.Q4_1, "ffn_up": Q.Q5_0, "ffn_down": Q.Q5_1}
 
 
-def _k_blocks(rng: np.random.Generator, qtype: Q, rows: int, cols: int) -> np.ndarray:
-    """Random blocks of a K-type whose super-block scales are small halves (2^-12), so values stay near 0.1."""
+# Where a type gguf-py cannot quantize keeps its half super-block scales (d, and dmin where it has one).
+SCALES_AT = {Q.Q4_K: (0, 2), Q.Q5_K: (0, 2), Q.Q6_K: (208,), Q.Q3_K: (108,), Q.Q2_K: (80, 82)}
+
+
+def _random_blocks(rng: np.random.Generator, qtype: Q, rows: int, cols: int) -> np.ndarray:
+    """Random blocks whose super-block scales are small halves (2^-12), so values stay near 0.1."""
     block, size = gguf.GGML_QUANT_SIZES[qtype]
     raw = rng.integers(0, 256, (rows * cols // block, size), dtype=np.uint8)
-    small = np.array([2.0 ** -12], np.float16).view(np.uint8)
-    scales = [size - 2] if qtype == Q.Q6_K else [0, 2]  # Q6_K keeps d last; Q4_K and Q5_K keep d, dmin first
-    for at in scales:
-        raw[:, at:at + 2] = small
+    for at in SCALES_AT.get(qtype, ()):
+        raw[:, at:at + 2] = np.array([2.0 ** -12], np.float16).view(np.uint8)
     return raw.reshape(rows, -1)
 
 
 def tensor(rng: np.random.Generator, qtype: Q, shape: tuple[int, ...]) -> tuple[np.ndarray, Q]:
     """A tensor of `shape` (numpy order, rows last) as gguf-py writes `qtype`: raw blocks, or floats."""
-    if qtype in (Q.Q4_K, Q.Q5_K, Q.Q6_K):
-        return _k_blocks(rng, qtype, int(np.prod(shape[:-1])), shape[-1]), qtype
+    if qtype not in (Q.F32, Q.F16, Q.BF16, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0):  # gguf-py cannot quantize it
+        return _random_blocks(rng, qtype, int(np.prod(shape[:-1])), shape[-1]), qtype
     values = (rng.standard_normal(shape) * 0.05).astype(np.float32)
     return gguf.quants.quantize(values, qtype), qtype
 

@@ -74,6 +74,13 @@ def stored(model: nn.Module) -> Iterator[tuple[str, Stored, torch.Tensor]]:
                 yield f"{module_name}.{attr}".lstrip("."), plist[0], plist.original
 
 
+def compute_dtype(model: nn.Module) -> torch.dtype:
+    """The dtype the model computes in: what its stored weights are made in, else its first float parameter's
+    (a stored weight's parameter is its bytes, so the first parameter no longer tells)."""
+    made = next((s.dtype for _, s, _ in stored(model)), None)
+    return made or next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
+
+
 def float_name(name: str) -> str:
     """A parameter's name as the float model names it (a stored one's `...parametrizations.weight.original`)."""
     head, sep, tail = name.partition(".parametrizations.")

@@ -31,12 +31,13 @@ from remat.core.capture import Seeded, into, reads_values, trace
 from remat.core.graph import StepInputs, TrainGraph
 from remat.models.hf import UnsupportedModel, decoder_of, model_loss, prepare
 from remat.models.hf_cache import ExactWalkCache, WalkCache, state_shapes
+from remat.models.stored import compute_dtype
 
 KV = ("k.", "v.")  # cache names of attention layers' keys and values; the others are carried states
 
 
 def new_state(model: nn.Module, batch: int, ctx: int) -> dict[str, torch.Tensor]:
-    dtype, device = next(model.parameters()).dtype, next(model.parameters()).device
+    dtype, device = compute_dtype(model), next(model.parameters()).device
     return {k: torch.zeros(s, dtype=dtype, device=device) for k, s in state_shapes(model, batch, ctx).items()}
 
 
@@ -91,7 +92,7 @@ def capture_chunk(model: nn.Module, batch: int, ctx: int, ubatch: int, *, loss_c
     if ctx % ubatch:
         raise ValueError(f"--ctx {ctx} is not a multiple of --ubatch {ubatch}")
     shapes = state_shapes(model, batch, ctx)
-    dtype = next(model.parameters()).dtype
+    dtype = compute_dtype(model)
     names = list(shapes)
     # exact: the cache and start states are differentiated (their gradient leaves the step into the buffers)
     inputs = {name: ("state", torch.zeros(shape, dtype=dtype, requires_grad=exact)) for name, shape in shapes.items()}
