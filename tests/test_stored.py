@@ -206,3 +206,33 @@ def test_a_merge_from_stored_weights_writes_float32_and_says_so(gguf_path, tmp_p
     assert all(p.dtype == torch.float32 for p in merged.parameters())
     reference = transformers_model(gguf_path)
     assert torch.equal(merged.model.layers[0].mlp.up_proj.weight, reference.model.layers[0].mlp.up_proj.weight)
+
+
+# ------------------------------------------------------------------------------------------------ bad input
+
+
+def _one_line_model_error(spec: str, *needles: str) -> None:
+    for load in (models.load_config, models.load_model):  # the header alone, and the weights
+        with pytest.raises(models.ModelError) as e:
+            load(spec)
+        assert "\n" not in str(e.value) and all(n in str(e.value) for n in needles), str(e.value)
+
+
+def test_a_truncated_gguf_is_refused_in_one_line(tmp_path):
+    path = write(tmp_path / "cut.gguf")
+    path.write_bytes(path.read_bytes()[:-4096])
+    _one_line_model_error(str(path), "cut.gguf", "truncated")
+
+
+def test_a_header_whose_offset_lies_is_refused_in_one_line(tmp_path):
+    path = write(tmp_path / "lies.gguf")
+    reader = gguf.GGUFReader(path, "r+")  # the tensor table is mapped: its last field is the data offset
+    reader.tensors[3].field.parts[-1][0] = path.stat().st_size  # the tensor starts at the end of the file
+    reader.data.flush()
+    del reader
+    _one_line_model_error(str(path), "lies.gguf")
+
+
+def test_a_type_remat_cannot_read_is_refused_in_one_line(tmp_path):
+    path = write(tmp_path / "q8k.gguf", {"ffn_gate": Q.Q8_K})
+    _one_line_model_error(str(path), "blk.0.ffn_gate.weight is Q8_K, a type remat cannot read")

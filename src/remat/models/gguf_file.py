@@ -56,7 +56,8 @@ class Tensor:
 
 
 def read(path: Path) -> gguf.GGUFReader:
-    """gguf-py's reader of the file (its tensors' data mapped, not read); GGUFError for a damaged file."""
+    """gguf-py's reader of the file (its tensors' data mapped, not read); GGUFError for a damaged file or a tensor
+    of a type remat cannot read."""
     try:
         reader = gguf.GGUFReader(path)
     except (ValueError, KeyError, IndexError, OSError, EOFError) as e:
@@ -67,6 +68,8 @@ def read(path: Path) -> gguf.GGUFReader:
         if t.data_offset + t.n_bytes > size or t.data.nbytes != t.n_bytes:
             raise GGUFError(f"GGUF '{path}': tensor {t.name} lies past the end of the file (a truncated file, or "
                             "a header whose sizes or offsets lie)")
+        if t.tensor_type not in quant.KEPT and not _dequantizable(t.tensor_type):
+            raise GGUFError(f"tensor {t.name} is {t.tensor_type.name}, a type remat cannot read")
     return reader
 
 
