@@ -11,8 +11,8 @@ import pytest
 
 from remat.base.settings import TrainSettings
 from remat.core.capture import EagerStridesFakeMode
-from remat.models import mixes, planned, quant
 from remat.models import load as models
+from remat.models import mixes, planned, quant
 from remat.training import step
 
 Q = gguf.GGMLQuantizationType
