@@ -135,7 +135,7 @@ def apply_lora(model: nn.Module, s: LoraSettings, *, seed: int = 0) -> peft.Peft
             why = [f"{', '.join(sorted(refused))}: PEFT does not support them for this model"] if refused else []
             why += [f"{', '.join(sorted(odd))}: their forward is not x @ W.T + b, which LoRA adds to"] if odd else []
             note = f"LoRA leaves out {'; '.join(why)}"
-    with module_lock, torch.random.fork_rng(devices=[]):
+    with module_lock, torch.random.fork_rng(devices=[]), stored.peeking():  # PEFT only inspects the base weights
         torch.manual_seed(seed)
         wrapped = peft.get_peft_model(model, config)
     if note:

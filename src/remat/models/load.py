@@ -25,6 +25,7 @@ from transformers.initialization import no_init_weights
 
 from remat.base.files import staged, staged_file
 from remat.base.settings import Note, UsageError, one_line
+from remat.core.plan import trim_heap
 from remat.models import gguf_file, stored
 
 transformers.utils.logging.disable_progress_bar()  # remat draws its own progress; keep stderr readable
@@ -388,6 +389,10 @@ def _load_gguf(path: pathlib.Path, as_stored: bool) -> tuple[transformers.PreTra
         raise ModelError(f"cannot load GGUF '{path}': {e}") from None
     except _LOAD_ERRORS as e:
         raise ModelError(f"cannot load GGUF '{path}': {one_line(e)}") from None
+    del reader
+    # gguf-py's reader parses the vocabulary into many small arrays: ~150 MiB (SmolLM2) freed into the heap, which
+    # the process would hold as resident through training, outside any plan
+    trim_heap()
     if not as_stored:
         stored.to_float(model)
     return model, tokenizer

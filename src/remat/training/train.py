@@ -28,6 +28,7 @@ from remat.core.plan import (
     resident,
     return_freed_memory,
     trim_heap,
+    value_bytes,
 )
 from remat.models import adapters
 from remat.models import load as models
@@ -153,6 +154,9 @@ def _finetune(s: TrainSettings, dp: distributed.Ranks, *, progress: bool, hooks:
         step.refuse_lora_over(model, lora, budget)
         model = adapters.apply_lora(model, lora, seed=s.seed)
     dp.seed(s.seed)
+    # What loading left beside the weights (the tokenizer, the GGUF reader's residue) is the process's too; a model
+    # whose weights are mapped lazily (safetensors) keeps the measure from before it loaded.
+    runtime = max(runtime, resident() - value_bytes([*model.parameters(), *model.buffers()]))
 
     before = resident()
     for name in ("off", "on"):  # traced once for every plan (the gate shows both): what they hold stays, code too
