@@ -236,3 +236,17 @@ def test_a_header_whose_offset_lies_is_refused_in_one_line(tmp_path):
 def test_a_type_remat_cannot_read_is_refused_in_one_line(tmp_path):
     path = write(tmp_path / "q8k.gguf", {"ffn_gate": Q.Q8_K})
     _one_line_model_error(str(path), "blk.0.ffn_gate.weight is Q8_K, a type remat cannot read")
+
+
+def test_budget_mode_saves_back_no_float_copy(gguf_path):
+    """Between on and off, budget mode saves back what is costliest to recompute per byte, as far as the budget
+    lets it: never a dequantized weight (the rule `off` keeps too), and the plan it chose is its graph's."""
+    model, _ = lora_pair(gguf_path)
+    shape = step.StepShape("window", 1, CTX, None, 0)
+    planned = step.plans(model, shape)
+    budget = (planned["on"].total + planned["off"].total) // 2
+    choice = step.choose(model, shape, "budget", budget)
+    assert "+" in choice.policy and choice.plan.total <= budget  # a save-back between the rungs
+    # its probe planned what the graph holds: had it saved back a float copy, which the rewrite never keeps,
+    # the two would differ
+    assert plan(step.build(model, shape, choice.policy)).total == choice.plan.total
