@@ -17,7 +17,7 @@ if [[ -z "${VIRTUAL_ENV:-}" && -f .venv/bin/activate ]]; then
 fi
 out=bench/results
 mkdir -p "$out"
-bench() { echo "== $*" >&2; python -m remat.bench "$@" >/dev/null; }
+bench() { echo "== $*" >&2; python -m remat bench "$@" >/dev/null; }
 start=$SECONDS
 
 bench --ctx 512 --steps 4 --out "$out/smollm2-ctx512"
@@ -26,5 +26,5 @@ bench --ctx 2048 --steps 2 --out "$out/smollm2-ctx2048"
 bench --ctx 2048 --steps 2 --path walk --ubatch 256 --out "$out/smollm2-walk-ctx2048"
 bench --ctx 2048 --steps 2 --path walk --ubatch 256 --lora --out "$out/smollm2-walk-ctx2048-lora"
 
-python -c "from remat.bench import write_summary; print(write_summary('$out'))"
+python -c "from remat.bench.compare import write_summary; print(write_summary('$out'))"
 echo "done in $((SECONDS - start)) s" >&2

@@ -328,12 +328,12 @@ def _attempt(report: Report, check: str, fn) -> object:
 @functools.cache
 def check(name: str) -> Report:
     """Run every check of one family: oracle, ubatch (recompute off, on), plan vs measured, walk, LoRA."""
-    from remat.core.capture import capture
     from remat.core.graph import StepInputs
     from remat.core.plan import measure, plan
     from remat.core.recompute import LAYER, Rewriter
-    from remat.models import adapters
+    from remat.models import adapters, steps
     from remat.models import load as models
+    from remat.models.steps import window_step
     from remat.training import walk
 
     report = Report(name)
@@ -346,7 +346,7 @@ def check(name: str) -> Report:
     model.train()
 
     def ubatch():
-        tg = capture(model, ids, labels)
+        tg = window_step(model, ids, labels)
         args = StepInputs.of(model).args(ids, labels)
         trainable = list(StepInputs.of(model).trainable)
         by_name = dict(zip(names, grads))
@@ -369,7 +369,7 @@ def check(name: str) -> Report:
         report.refused.setdefault("full", report.refused["ubatch"])
 
     def walked():
-        tg = walk.capture_chunk(model, BATCH, SEQ, UBATCH, exact=True)
+        tg = steps.chunk_step(model, BATCH, SEQ, UBATCH, exact=True)
         tensors = StepInputs.of(model)
         total, summed = 0, []
         for inputs in walk.Walk(model, BATCH, SEQ, UBATCH, exact=True).chunks(ids, labels, lambda: None):
@@ -385,11 +385,11 @@ def check(name: str) -> Report:
     def lora():
         base = models.build_from_config(tiny_config(name))
         base.train()
+        report.lora_note = adapters.left_out(base, adapters.LoraSettings())
         pm = adapters.apply_lora(base, adapters.LoraSettings())
-        report.lora_note = getattr(pm, "_remat_lora_note", "")
         tensors = StepInputs.of(pm)
         before = {k: v.detach().clone() for k, v in tensors.trainable.items()}
-        tg = capture(pm, ids, labels)
+        tg = window_step(pm, ids, labels)
         _, g = tg(*tensors.args(ids, labels))
         # the oracle: PEFT's own model (the same adapter on the model as transformers builds it), eager
         peft_own = adapters.apply_lora(reference(name), adapters.LoraSettings())

@@ -8,11 +8,11 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from remat.core.capture import capture
 from remat.core.graph import StepInputs, TrainGraph
 from remat.core.recompute import rewrite
 from remat.models.hf import causal_lm_loss
 from remat.models.load import LoadedModel, load_model
+from remat.models.steps import window_step
 
 PRESETS = ("tiny-llama", "tiny-qwen35")
 BATCH, CTX = 2, 64
@@ -70,7 +70,7 @@ def new_case(name: str, *, num_layers: int | None = None, prepare=None) -> Case:
     if prepare is not None:
         prepare(lm.model)
     ids, labels = random_batch(len(lm.tokenizer))
-    return Case(lm, ids, labels, capture(lm.model, ids, labels))
+    return Case(lm, ids, labels, window_step(lm.model, ids, labels))
 
 
 @pytest.fixture(scope="module")
@@ -113,3 +113,14 @@ def make_case():
     """`make_case(name, num_layers=None, prepare=fn)`: a fresh model (prepare(model) runs before
     capture), for tests that change the model."""
     return new_case
+
+
+@pytest.fixture
+def traces(monkeypatch) -> list[int]:
+    """One item per step traced while the test runs (`core.capture.trace`, as `models.steps` calls it)."""
+    from remat.models import steps
+
+    made: list[int] = []
+    real = steps.trace
+    monkeypatch.setattr(steps, "trace", lambda *a, **kw: made.append(1) or real(*a, **kw))
+    return made

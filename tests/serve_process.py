@@ -1,4 +1,4 @@
-"""`python -m remat.serve.app --model tiny-llama` in a subprocess, and a small HTTP client for it: the one
+"""`python -m remat serve --model tiny-llama` in a subprocess, and a small HTTP client for it: the one
 harness the server's tests (`test_serve`, `test_server_*`, `test_page`) share."""
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ def free_port() -> int:
 
 
 class Server:
-    """`python -m remat.serve.app` in a subprocess, and a small HTTP client for it."""
+    """`python -m remat serve` in a subprocess, and a small HTTP client for it."""
 
     def __init__(self, state_dir: Path, *args: str, key: str | None = None):
         self.state_dir, self.args, self.key = Path(state_dir), args, key
@@ -35,7 +35,7 @@ class Server:
         self.loading: list = []  # what /health said before it was ready
 
     def spawn(self) -> Server:
-        cmd = [sys.executable, "-m", "remat.serve.app", "--model", MODEL, "--port", str(self.port),
+        cmd = [sys.executable, "-m", "remat", "serve", "--model", MODEL, "--port", str(self.port),
                "--state-dir", str(self.state_dir), "--threads", "1", *self.args]
         with open(self.log, "ab") as log:
             self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
@@ -141,6 +141,7 @@ class Server:
         raise AssertionError(f"job {job_id} not there after {timeout} s: {self.job(job_id)}")
 
     def cancel(self, job_id: str) -> None:
-        status, body = self.request("DELETE", f"/train/{job_id}")
-        assert status in (200, 409), body
-        self.wait_job(job_id)
+        status, body = self.request("POST", f"/train/{job_id}/cancel")
+        assert status in (200, 404, 409), body  # 404: deleted already
+        if status != 404:
+            self.wait_job(job_id)

@@ -26,16 +26,9 @@ from transformers.pytorch_utils import Conv1D
 
 import conformance
 from remat.models import stored
-from remat.models.adapters import (
-    _CONVERTERS,
-    AdapterError,
-    LoraSettings,
-    apply_lora,
-    merge_into_base,
-    save_adapter,
-    write_gguf_adapter,
-)
+from remat.models.adapters import AdapterError, LoraSettings, apply_lora, merge_into_base, save_adapter
 from remat.models.load import build_from_config, default_gguf_path, load_model
+from remat.models.lora_gguf import CONVERTERS, write_gguf_adapter
 
 SMOL = "smollm2"  # marks the parameter that means the real SmolLM2 GGUF
 
@@ -259,12 +252,12 @@ def to_hf_layout(arch: str, hf_name: str, gguf_name: str, a: np.ndarray, b: np.n
 
 def test_v_head_reorder_matches_the_documented_order():
     # llama.cpp's converter: grouped [K0v0, K0v1, K1v0, K1v1] -> tiled [K0v0, K1v0, K0v1, K1v1].
-    from remat.models.adapters import _reorder_v_heads
+    from remat.models.lora_gguf import reorder_v_heads
 
     grouped = np.arange(4).reshape(4, 1)
-    assert _reorder_v_heads(grouped, 0, 2, 2, 1).ravel().tolist() == [0, 2, 1, 3]
+    assert reorder_v_heads(grouped, 0, 2, 2, 1).ravel().tolist() == [0, 2, 1, 3]
     x = np.random.default_rng(0).standard_normal((3, 2 * 3 * 4))
-    assert np.array_equal(untile_v_heads(_reorder_v_heads(x, 1, 2, 3, 4), 1, 2, 3, 4), x)
+    assert np.array_equal(untile_v_heads(reorder_v_heads(x, 1, 2, 3, 4), 1, 2, 3, 4), x)
 
 
 @pytest.mark.parametrize("name", ["tiny-llama", "tiny-qwen35", SMOL])
@@ -367,7 +360,7 @@ PERMUTED = {"llama", "arcee", "smollm3", "mistral3", "granite", "granitemoe", "g
 
 
 def gguf_cases() -> list:
-    names = sorted(f.name for f in conformance.families() if f.skip is None and f.cls in _CONVERTERS)
+    names = sorted(f.name for f in conformance.families() if f.skip is None and f.cls in CONVERTERS)
     return [pytest.param(n, {}, id=n) for n in names if n != "falcon"] + [
         pytest.param("falcon", FALCON_NEW, id="falcon-new-arch")]
 
@@ -433,7 +426,7 @@ def lora_and_deltas(name: str, extra: dict) -> tuple[peft.PeftModel, dict[str, t
 @pytest.mark.parametrize("name, extra", gguf_cases())
 def test_gguf_adapter_lands_on_the_modules_peft_trained(name, extra, tmp_path):
     model, deltas = lora_and_deltas(name, extra)
-    arch_id = _CONVERTERS[type(model.get_base_model()).__name__][0]
+    arch_id = CONVERTERS[type(model.get_base_model()).__name__][0]
     arch = gguf.MODEL_ARCH_NAMES[arch_id]
     if name in NO_GGUF:
         with pytest.raises(AdapterError, match=NO_GGUF[name]):

@@ -163,13 +163,13 @@ def test_process_peak_measures_the_step_not_the_heap_before():
     import torch
 
     from remat.bench import compare as bench
-    from remat.core.plan import return_freed_memory
+    from remat.core.process import return_freed_memory
     from remat.models import load as models
 
     return_freed_memory()  # as run_bench does
     base = models.load_model("tiny-llama", seed=0).model
-    variants = [bench._eager_variant("eager", base, False),
-                bench._eager_variant("torch_checkpoint", copy.deepcopy(base), True)]
+    variants = [bench.eager_variant("eager", base, False),
+                bench.eager_variant("torch_checkpoint", copy.deepcopy(base), True)]
     for v in variants:
         v.optimizer = torch.optim.AdamW(v.params, lr=1e-4)
     threads = torch.get_num_threads()

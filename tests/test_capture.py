@@ -14,7 +14,7 @@ from remat.base.settings import TrainSettings
 from remat.core import capture as cap
 from remat.core.capture import EagerStridesFakeMode
 from remat.core.graph import ROLES, StepInputs, interpret
-from remat.core.plan import per_rank, plan
+from remat.core.plan import plan
 from remat.models.hf import causal_lm_loss
 from remat.models.load import load_model
 from remat.training import step
@@ -72,7 +72,7 @@ def test_placeholder_roles_in_order(case):
     assert len(_output_args(tg)) == 1 + len(tensors.trainable)
 
 
-def test_frozen_params_leave_the_grads(make_case):
+def test_frozen_params_leave_the_grads(make_case, traces):
     frozen = ("model.embed_tokens.weight", "model.layers.0.self_attn.q_proj.weight", "lm_head.weight")
 
     def freeze(model):
@@ -80,9 +80,9 @@ def test_frozen_params_leave_the_grads(make_case):
         for name in frozen:
             params[name].requires_grad_(False)
 
-    before = cap.trace_count()
+    before = len(traces)
     c = make_case("tiny-llama", prepare=freeze)
-    assert cap.trace_count() == before + 1  # one capture, one trace (there is no graph cache yet)
+    assert len(traces) == before + 1  # one capture, one trace (there is no graph cache yet)
     n_params = len(dict(c.model.named_parameters()))
     tg = c.tg
     assert tg.roles.count("frozen") == len(frozen)
@@ -99,16 +99,17 @@ def test_frozen_params_leave_the_grads(make_case):
         assert torch.equal(g, e), name
 
 
-def test_step_build_traces_once_and_reuses():
+def test_step_build_traces_once_and_reuses(traces):
     """Every policy of one shape rewrites the same trace, and a second `build` returns the graph it built."""
     model = load_model("tiny-llama", seed=0).model
     shape = step.StepShape.of(TrainSettings(model="tiny-llama", ctx=32, batch=1))
-    before = cap.trace_count()
-    graphs = {p: step.build(model, shape, p) for p in ("off", "on", "dots")}
-    assert cap.trace_count() == before + 1
-    assert all(step.build(model, shape, p) is g for p, g in graphs.items())
-    assert step.build(model, shape, True) is step.build(model, shape, "layer") is graphs["on"]  # one policy
-    assert cap.trace_count() == before + 1
+    planner = step.Planner(model)
+    before = len(traces)
+    graphs = {p: planner.build(shape, p) for p in ("off", "on", "dots")}
+    assert len(traces) == before + 1
+    assert all(planner.build(shape, p) is g for p, g in graphs.items())
+    assert planner.build(shape, True) is planner.build(shape, "layer") is graphs["on"]  # one policy
+    assert len(traces) == before + 1
 
 
 def test_a_shape_is_planned_once_and_each_caller_gets_its_own_copy(monkeypatch):
@@ -117,19 +118,19 @@ def test_a_shape_is_planned_once_and_each_caller_gets_its_own_copy(monkeypatch):
     a rank count has plans of its own (its ZeRO share of the optimizer)."""
     model = load_model("tiny-llama", seed=0).model
     shape = step.StepShape.of(TrainSettings(model="tiny-llama", ctx=32, batch=1))
-    first = step.plans(model, shape)
+    planner = step.Planner(model)
+    first = planner.plans(shape)
     made = []
     monkeypatch.setattr(step, "plan", lambda *a: made.append(a))
     monkeypatch.setattr(step.Rewriter, "plan", lambda *a: made.append(a))
-    again = step.plans(model, shape)
+    again = planner.plans(shape)
     assert made == [] and again == first
     assert all(again[k] is not first[k] for k in first)
     again["on"].runtime = 1 << 30
-    assert step.plans(model, shape)["on"].runtime == first["on"].runtime
+    assert planner.plans(shape)["on"].runtime == first["on"].runtime
     monkeypatch.undo()
-    assert {k: plan(step.build(model, shape, k)) for k in first} == first
-    with per_rank(2):
-        halves = step.plans(model, shape)
+    assert {k: plan(planner.build(shape, k)) for k in first} == first
+    halves = planner.plans(shape, world_size=2)
     assert halves["on"].optimizer < first["on"].optimizer
     assert halves["on"].graph == first["on"].graph
 
@@ -148,7 +149,7 @@ def test_building_and_planning_run_no_garbage_collection():
 
     gc.callbacks.append(count)
     try:
-        step.choose(model, shape, "auto", 1 << 40)
+        step.Planner(model).choose(shape, "auto", 1 << 40)
     finally:
         gc.callbacks.remove(count)
     assert started == []

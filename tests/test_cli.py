@@ -1,6 +1,6 @@
 """The `remat` command line, end to end: the real CLI in a subprocess, real files, no mocks.
 
-Every run is `python -m remat.cli ...` with REMAT_CACHE_DIR pointing at one temporary cache for
+Every run is `python -m remat ...` with REMAT_CACHE_DIR pointing at one temporary cache for
 the whole module (the embedded SmolLM2 GGUF is converted once, ~25 s). Starting a process costs
 ~4 s (importing torch and transformers), so independent runs go through a two-worker pool and a
 test starts all of its runs before it waits on any. The first SmolLM2 run (which converts the
@@ -64,7 +64,7 @@ LAUNCHER = """
 import os, sys
 pid = os.fork()
 if pid == 0:
-    os.execv(sys.executable, [sys.executable, "-m", "remat.cli", *sys.argv[2:]])
+    os.execv(sys.executable, [sys.executable, "-m", "remat", *sys.argv[2:]])
 _, status, usage = os.wait4(pid, 0)
 with open(sys.argv[1], "w") as f:
     f.write(str(usage.ru_maxrss))

@@ -111,11 +111,11 @@ def test_lora_trains(name, known):
 def test_router_aux_loss_is_the_models(name):
     """With output_router_logits the model adds its load-balancing loss: remat's loss includes it, and the
     walk, which sees one chunk's routing at a time, refuses it before training."""
-    from remat.core.capture import capture
     from remat.core.graph import StepInputs
     from remat.models import load as models
+    from remat.models import steps
     from remat.models.hf import UnsupportedModel
-    from remat.training import walk
+    from remat.models.steps import window_step
 
     ids, labels = C.batch()
     reference = C.build(name, attn=None, output_router_logits=True)
@@ -124,12 +124,12 @@ def test_router_aux_loss_is_the_models(name):
     without_aux, _ = C.oracle(plain, ids, labels, [])
     assert loss != without_aux  # the aux loss is really part of the model's loss
     model = models.build_from_config(C.tiny_config(name, output_router_logits=True)).train()
-    tg = capture(model, ids, labels)
+    tg = window_step(model, ids, labels)
     with torch.no_grad():
         ours, _ = tg(*StepInputs.of(model).args(ids, labels))
     assert C.rel(ours, loss) <= C.TOL
     with pytest.raises(UnsupportedModel, match="router aux loss"):
-        walk.capture_chunk(model, C.BATCH, C.SEQ, C.UBATCH)
+        steps.chunk_step(model, C.BATCH, C.SEQ, C.UBATCH)
 
 
 @pytest.mark.parametrize("name", ["mistral", "gemma3_text", "qwen3_moe", "granite"])

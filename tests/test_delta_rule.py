@@ -9,13 +9,13 @@ import pytest
 import torch
 from transformers.models.qwen3_5 import modeling_qwen3_5
 
-from remat.bench.compare import peak_during
-from remat.core.capture import capture
+from remat.bench.common import peak_during
 from remat.core.graph import StepInputs
 from remat.core.plan import value_bytes
 from remat.models import delta_rule
 from remat.models.hf import causal_lm_loss
 from remat.models.load import load_model
+from remat.models.steps import window_step
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -65,7 +65,7 @@ def test_a_traced_step_is_the_models_own_backward_bitwise(ctx):
     lm = load_model("tiny-qwen35", seed=0)
     g = torch.Generator().manual_seed(ctx)
     ids, labels = (torch.randint(0, lm.model.config.vocab_size, (2, ctx), generator=g) for _ in range(2))
-    tg = capture(lm.model, ids, labels)
+    tg = window_step(lm.model, ids, labels)
     inputs = StepInputs.of(lm.model)
     with torch.no_grad():
         loss, grads = tg(*inputs.args(ids, labels))
@@ -78,7 +78,7 @@ def test_a_traced_step_is_the_models_own_backward_bitwise(ctx):
 def _ops(ctx: int) -> tuple[int, collections.Counter]:
     lm = load_model("tiny-qwen35", seed=0)
     ids = torch.zeros(1, ctx, dtype=torch.long)
-    tg = capture(lm.model, ids, ids.clone())
+    tg = window_step(lm.model, ids, ids.clone())
     return len(tg.graph.nodes), collections.Counter(n.target for n in tg.graph.nodes)
 
 

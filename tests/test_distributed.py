@@ -28,6 +28,8 @@ CASES = {f"{m}-{'lora' if lora else 'full'}-{rc}": {**BASE, "model": m, "lora": 
          for m in ("tiny-llama", "tiny-qwen35") for lora in (True, False) for rc in ("off", "on")}
 # the uninterrupted run the resumed one is held to: dropout draws, so the RNG states must resume too
 RESUMED = {**BASE, "model": "tiny-llama", "steps": 4, "lora_dropout": 0.1}
+# one job asked of every caller of the gate, with an explicit budget: budget mode searches what to save back
+GATED = {**BASE, "model": "tiny-llama", "steps": 1, "recompute": "budget", "memory_budget": 64 << 20}
 
 WORKER = """
 import json, sys
@@ -53,13 +55,14 @@ def runs(tmp_path_factory) -> dict:
     """Every case on 2 processes (one torchrun launch) and on 1 (in this process, while they run)."""
     tmp = tmp_path_factory.mktemp("dp")
     (tmp / "worker.py").write_text(WORKER)
-    cases = {**CASES, "resumed": RESUMED, "out": {**CASES["tiny-llama-lora-off"], "out": str(tmp / "out"),
-                                                   "save_every": 2, "steps": 2}}
+    out = {**CASES["tiny-llama-lora-off"], "out": str(tmp / "out"), "save_every": 2, "steps": 2}
+    cases = {**CASES, "resumed": RESUMED, "gated": GATED, "out": out}
     (tmp / "cases.json").write_text(json.dumps(cases))
     proc = subprocess.Popen([TORCHRUN, "--standalone", "--nproc-per-node", "2", str(tmp / "worker.py"),
                              str(tmp / "cases.json"), str(tmp)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True, env=_env())
-    one = {name: finetune(TrainSettings(**kw), progress=False).as_dict() for name, kw in CASES.items()}
+    one = {name: finetune(TrainSettings(**kw), progress=False).as_dict()
+           for name, kw in {**CASES, "gated": GATED}.items()}
     output, _ = proc.communicate(timeout=600)
     assert proc.returncode == 0, output[-3000:]
     ranks = [json.loads((tmp / f"rank{r}.json").read_text()) for r in range(2)]
@@ -97,6 +100,45 @@ def test_each_rank_holds_half_the_optimizer_state(runs, case):
     extra = max(r0, r1) - two["plan"]["optimizer"]
     assert 0 <= extra <= 0.01 * two["plan"]["optimizer"] and extra % 4 == 0, (r0, r1, two["plan"])
     assert 0 <= whole - one["plan"]["optimizer"] <= 0.01 * one["plan"]["optimizer"]
+
+
+def _answer(plans: dict) -> dict:
+    """Plans less what a process measures of itself (and the total they are in)."""
+    return {k: {c: v for c, v in p.items() if c not in ("runtime", "trace", "total")} for k, p in plans.items()}
+
+
+def test_the_cli_the_trainer_the_ranks_and_the_server_get_one_answer(runs, tmp_path):
+    """One job with an explicit budget, asked of every caller of the gate: `remat plan` (a process), the trainer
+    (`finetune`), the server's `/train/plan` (its job manager) and each torchrun rank. One process: the CLI, the
+    trainer and the server give the same policy and plans; two: the CLI with `--world-size 2` and both ranks."""
+    from remat.serve.jobs import JobManager
+    from remat.serve.scheduler import Scheduler
+
+    def cli(world: int) -> dict:
+        r = subprocess.run([sys.executable, "-m", "remat", "plan", "--model", "tiny-llama", "--ctx", "32", "--batch",
+                            "2", "--recompute", "budget", "--memory-budget", f"{GATED['memory_budget']}B",
+                            "--world-size", str(world), "--json"], capture_output=True, text=True, check=True,
+                           env=_env())
+        answer = json.loads(r.stdout)
+        return {"policy": answer["policy"], "plans": _answer(answer["plans"])}
+
+    def receipt(r: dict) -> dict:
+        return {"policy": r["policy"], "plans": _answer(r["plans"])}
+
+    manager = JobManager(model="tiny-llama", state_dir=tmp_path, scheduler=Scheduler(),
+                         memory_budget=GATED["memory_budget"])
+    try:
+        data = [{"text": "the quick brown fox jumps over the lazy dog " * 20}]
+        served = manager.plan({"data": data, **{k: GATED[k] for k in ("ctx", "batch", "recompute")}})
+    finally:
+        manager.close()
+    one = cli(1)
+    assert one["policy"].startswith("dots+"), one["policy"]  # the search ran
+    assert receipt(runs["one"]["gated"]) == one
+    assert {"policy": served["policy"], "plans": _answer(served["plans"])} == one
+    two = cli(2)
+    assert receipt(runs["rank0"]["gated"]) == receipt(runs["rank1"]["gated"]) == two
+    assert two["plans"]["off"]["optimizer"] < one["plans"]["off"]["optimizer"]  # a rank's share
 
 
 def test_rank_zero_alone_writes_outputs_and_checkpoints(runs):

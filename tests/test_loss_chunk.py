@@ -1,4 +1,4 @@
-"""The loss head in chunks (`capture(..., loss_chunk=N)`): each N-token piece's logits and
+"""The loss head in chunks (`window_step(..., loss_chunk=N)`): each N-token piece's logits and
 cross-entropy are separate nodes, so with recompute only one piece's logits live at a time."""
 
 from __future__ import annotations
@@ -8,14 +8,15 @@ import functools
 import pytest
 import torch
 
+from planning import live_at_peak, plan_settings
 from remat.base.settings import TrainSettings
-from remat.core.capture import EagerStridesFakeMode, capture
+from remat.core.capture import EagerStridesFakeMode
 from remat.core.graph import StepInputs, TrainGraph
-from remat.core.plan import live_at_peak, measure, plan
+from remat.core.plan import measure, plan
 from remat.core.recompute import rewrite
 from remat.models.hf import causal_lm_loss
 from remat.models.load import build_from_config, load_config, load_model
-from remat.training.step import plan_settings
+from remat.models.steps import window_step
 
 TINY = ("tiny-llama", "tiny-qwen35")
 BATCH, CTX, CHUNK = 2, 64, 16
@@ -39,12 +40,12 @@ class Case:
     def __init__(self, model: torch.nn.Module):
         self.model = model
         self.ids, self.labels = random_batch(model.config.vocab_size)
-        self.chunked = capture(model, self.ids, self.labels, loss_chunk=CHUNK)
+        self.chunked = window_step(model, self.ids, self.labels, loss_chunk=CHUNK)
         self.rewritten = rewrite(self.chunked)
 
     @functools.cached_property
     def whole(self) -> TrainGraph:
-        return capture(self.model, self.ids, self.labels, loss_chunk=0)
+        return window_step(self.model, self.ids, self.labels, loss_chunk=0)
 
     def run(self, tg: TrainGraph) -> tuple[torch.Tensor, list[torch.Tensor]]:
         with torch.no_grad():
@@ -152,7 +153,7 @@ def test_loss_chunk_lowers_smollm2_peak_by_the_logits():
     ids = torch.zeros(1, ctx, dtype=torch.long)
     peaks = {}
     for chunk in (2048, 256):
-        peaks[chunk] = live_at_peak(rewrite(capture(model, ids, ids.clone(), loss_chunk=chunk)))
+        peaks[chunk] = live_at_peak(rewrite(window_step(model, ids, ids.clone(), loss_chunk=chunk)))
     logits = ctx * vocab * 4
     k = sum(size == logits for _, size in peaks[2048][2])
     assert k >= 2
@@ -165,7 +166,7 @@ def test_loss_chunk_lowers_smollm2_peak_by_the_logits():
 def test_loss_chunk_planned_matches_measured(recompute):
     model = load_model("tiny-llama", seed=0).model
     ids, labels = random_batch(model.config.vocab_size, batch=1, ctx=256, seed=4)
-    tg = capture(model, ids, labels, loss_chunk=32)
+    tg = window_step(model, ids, labels, loss_chunk=32)
     if recompute == "on":
         tg = rewrite(tg)
     assert head_pieces(tg) == 256 // 32

@@ -9,11 +9,12 @@ from __future__ import annotations
 import gguf
 import pytest
 
+from planning import planner_of
 from remat.base.settings import TrainSettings
 from remat.core.capture import EagerStridesFakeMode
 from remat.models import load as models
 from remat.models import mixes, planned, quant
-from remat.training import step
+from remat.training.step import StepShape
 
 Q = gguf.GGMLQuantizationType
 
@@ -71,7 +72,7 @@ def test_plain_mixes_and_their_frozen_bytes(mix, qtype):
     expected = sum(quant.stored_bytes(q, tuple(weights[n].shape)) for n, q in t.items())
     expected += sum(p.nbytes for n, p in weights.items() if n not in t) + sum(b.nbytes for b in shapes.buffers())
     s = TrainSettings(model="tiny-qwen35", weights=mix)  # LoRA: the base is frozen, as stored
-    plan = step.plans(step.planning_model(models.load_config(s.model), s), step.StepShape.of(s), ("off",))["off"]
+    plan = planner_of(s).plans(StepShape.of(s), ("off",))["off"]
     assert plan.frozen == expected
 
 

@@ -358,7 +358,7 @@ def test_reconnect_cancel_and_resume(page, server):
     p.evaluate("() => { window.__cancel = document.querySelector('#job-cancel');"
                " window.__redraws = window.__remat.follow.seen.length; }")
     box = cancel.bounding_box()
-    with delivered(p, "DELETE", f"/train/{job_id}", "Cancel pressed across redraws"):
+    with delivered(p, "POST", f"/train/{job_id}/cancel", "Cancel pressed across redraws"):
         p.mouse.move(box["x"] + box["width"] / 2, box["y"] + box["height"] / 2)
         p.mouse.down()
         p.wait_for_function("() => window.__remat.follow.seen.length >= window.__redraws + 2")
@@ -370,7 +370,7 @@ def test_reconnect_cancel_and_resume(page, server):
         p.locator(f"{detail} #job-resume").click()
     p.wait_for_selector(f"{detail}[data-status=running]", timeout=60_000)
     assert server.request("GET", f"/train/{job_id}")[1]["status"] in ("queued", "running")
-    with delivered(p, "DELETE", f"/train/{job_id}", "Cancel after resume"):
+    with delivered(p, "POST", f"/train/{job_id}/cancel", "Cancel after resume"):
         p.locator(f"{detail} #job-cancel").click()
     p.wait_for_selector(f"{detail}[data-status=cancelled]", timeout=60_000)
     assert server.request("GET", f"/train/{job_id}")[1]["status"] == "cancelled"

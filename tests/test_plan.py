@@ -6,8 +6,9 @@ import pytest
 import torch
 from torch.fx.experimental.proxy_tensor import make_fx
 
+from planning import live_at_peak
 from remat.core.graph import TrainGraph
-from remat.core.plan import graph_peak, measure, plan
+from remat.core.plan import measure, plan
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -68,8 +69,8 @@ def test_graph_peak_by_hand(fn, peak):
     nodes = list(gm.graph.nodes)
     assert any(n.target is torch.ops.aten.slice.Tensor for n in nodes)
     tg = TrainGraph(gm, ["input"], ["x"], boundary=nodes[-2])
-    assert graph_peak(tg) == peak
-    assert plan(tg).graph == peak  # the plan's one-pass peaks (`_peaks`), not `graph_peak`'s sweep
+    assert live_at_peak(tg)[0] == peak
+    assert plan(tg).graph == peak  # the plan's one-pass peaks (`_peaks`), not `live_at_peak`'s sweep
     outputs, measured = measure(tg, [torch.randn(1024)])
     assert measured.graph == peak
     assert len(outputs) == 1

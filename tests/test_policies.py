@@ -18,12 +18,12 @@ from collections import Counter
 import pytest
 import torch
 
+from planning import plan_settings, planner_of
 from remat.base.settings import GateRefused, TrainSettings
 from remat.core import policies
 from remat.core.marks import mark_name
 from remat.core.plan import measure, mib, plan
 from remat.core.recompute import CLONE_OF, Rewriter, keep_reasons, must_keep, rewrite, saved_nodes
-from remat.models import load as models
 from remat.training import step
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -149,18 +149,18 @@ def test_unknown_policy_is_refused():
 def test_budget_picks_a_plan_that_fits_and_runs_as_planned(get_case):
     c = get_case("tiny-qwen35")
     shape = step.StepShape("window", c.ids.shape[0], c.ids.shape[1], None, 0)
-    model = c.model
-    ladder = step.plans(model, shape, step.LADDER)
+    planner = step.Planner(c.model)
+    ladder = planner.plans(shape, step.LADDER)
     low, dots, high = min(p.total for p in ladder.values()), ladder["dots"].total, ladder["off"].total
     budgets = [low + (high - low) * f // 6 for f in range(6)]  # from the smallest plan to just under off
     budgets.append((dots + high) // 2)
     assert sum(dots < b < high for b in budgets) >= 2
     chosen = {}
     for budget in budgets:
-        choice = step.choose(model, shape, "budget", budget)
+        choice = planner.choose(shape, "budget", budget)
         assert choice.plan.total <= budget, (budget, choice.policy)
         chosen[budget] = choice.policy
-        graph = step.build(model, shape, choice.policy)  # what the trainer runs: the graph planned
+        graph = planner.build(shape, choice.policy)  # what the trainer runs: the graph planned
         (loss, *grads), measured = measure(graph, c.args())
         assert measured.graph == choice.plan.graph
         assert_eager(c, loss, grads)
@@ -172,14 +172,14 @@ def test_budget_picks_a_plan_that_fits_and_runs_as_planned(get_case):
 
 
 def search(saved: list[int], plan_of, budget: int) -> tuple[int, list[int]]:
-    """`step._most_that_fit` on plans `plan_of(k)`: its answer, and the ks it probed."""
+    """`step.most_that_fit` on plans `plan_of(k)`: its answer, and the ks it probed."""
     probes: list[int] = []
 
     def probe(k: int) -> int:
         probes.append(k)
         return plan_of(k)
 
-    return step._most_that_fit(saved, probe, budget, plan_of(0)), probes
+    return step.most_that_fit(saved, probe, budget, plan_of(0)), probes
 
 
 def test_budget_search_finds_the_most_that_fit_in_few_probes():
@@ -205,12 +205,13 @@ def test_budget_search_finds_the_most_that_fit_in_few_probes():
 def test_budget_below_the_smallest_plan_is_refused_with_it(get_case):
     c = get_case("tiny-llama")
     shape = step.StepShape("window", c.ids.shape[0], c.ids.shape[1], None, 0)
-    ladder = step.plans(c.model, shape, step.LADDER)
+    planner = step.Planner(c.model)
+    ladder = planner.plans(shape, step.LADDER)
     smallest = min(ladder, key=lambda k: ladder[k].total)  # the first of the smallest, in the ladder's order
     total = ladder[smallest].total
     with pytest.raises(GateRefused, match=f"smallest plan remat can make is {smallest} at {mib(total)}"):
-        step.choose(c.model, shape, "budget", total - 1)
-    choice = step.choose(c.model, shape, "auto", total)  # it fits, with what saving back leaves free
+        planner.choose(shape, "budget", total - 1)
+    choice = planner.choose(shape, "auto", total)  # it fits, with what saving back leaves free
     assert choice.policy.split("+")[0] == smallest and choice.plan.total == total, choice.policy
 
 
@@ -218,7 +219,7 @@ def test_cli_plan_budget_below_the_smallest_plan_exits_3_naming_it(tmp_path):
     """`remat plan --recompute budget`, the real command: below the smallest plan it is refused (exit 3) with
     that plan named; with a budget that fits, --json carries the policy the gate chose."""
     s = TrainSettings(model="tiny-llama", ctx=64, lora=False)
-    ladder = step.plan_settings(s, step.LADDER)  # what `remat plan` plans: the model's config alone
+    ladder = plan_settings(s, step.LADDER)  # what `remat plan` plans: the model's config alone
     smallest = min(ladder, key=lambda k: ladder[k].total)
     low, dots, off = ladder[smallest].total, ladder["dots"].total, ladder["off"].total
     env = {k: v for k, v in os.environ.items() if k != "REMAT_DEBUG"} | {
@@ -227,7 +228,7 @@ def test_cli_plan_budget_below_the_smallest_plan_exits_3_naming_it(tmp_path):
     def remat_plan(budget: int, *extra: str) -> subprocess.CompletedProcess:
         args = ["plan", "--model", "tiny-llama", "--ctx", "64", "--recompute", "budget", "--full",
                 "--memory-budget", f"{budget}B", *extra]
-        return subprocess.run([sys.executable, "-m", "remat.cli", *args], capture_output=True, text=True,
+        return subprocess.run([sys.executable, "-m", "remat", *args], capture_output=True, text=True,
                               env=env, cwd=tmp_path, timeout=600, check=False)
 
     r = remat_plan(low - 1)
@@ -240,7 +241,6 @@ def test_cli_plan_budget_below_the_smallest_plan_exits_3_naming_it(tmp_path):
     r = remat_plan(budget, "--json")
     assert r.returncode == 0, r
     result = json.loads(r.stdout)
-    model = step.planning_model(models.load_config("tiny-llama"), s)
-    expected = step.choose(model, step.StepShape.of(s), "budget", budget)
+    expected = planner_of(s).choose(step.StepShape.of(s), "budget", budget)
     assert result["policy"] == expected.policy and result["policy"].startswith("dots+"), result["policy"]
     assert result["plan"]["total"] == expected.plan.total <= budget

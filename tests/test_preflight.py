@@ -4,10 +4,10 @@ import pytest
 import torch
 
 from remat.base.settings import GateRefused
-from remat.core.capture import capture
 from remat.core.graph import StepInputs
 from remat.core.plan import preflight
 from remat.models.load import load_model
+from remat.models.steps import window_step
 
 lib = torch.library.Library("remat_test", "DEF")
 lib.define("cuda_only(Tensor x) -> Tensor")
@@ -19,7 +19,7 @@ lib.impl("cuda_only", torch.empty_like, "Meta")
 def graph():
     model = load_model("tiny-llama").model
     ids = torch.randint(0, 259, (1, 16))
-    return capture(model, ids, ids.clone()), model
+    return window_step(model, ids, ids.clone()), model
 
 
 def test_every_op_of_a_real_step_has_a_cpu_kernel(graph):

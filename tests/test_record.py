@@ -11,13 +11,13 @@ import pytest
 import torch
 
 import conformance as C
-from remat.core import capture
-from remat.core.capture import EagerStridesFakeMode
+from remat.core.capture import EagerStridesFakeMode, Recorder
 from remat.core.graph import TrainGraph
 from remat.core.plan import plan
+from remat.fastplan import record
 from remat.models import load as models
 from remat.models.hf import UnsupportedModel
-from remat.training import walk
+from remat.models.steps import chunk_step, window_step
 from test_stamp import _described
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -34,13 +34,9 @@ def _planning_model(name: str, layers: int | None) -> torch.nn.Module:
     return model.train()
 
 
-def _both(monkeypatch: pytest.MonkeyPatch, step: Callable[[], TrainGraph]) -> tuple[TrainGraph, TrainGraph]:
-    """`step()` recorded, then traced by make_fx (the recorder turned off: every step falls back to it)."""
-    recorded = step()
-    with monkeypatch.context() as m:
-        m.setattr(capture, "_recorded", lambda *_: None)
-        traced = step()
-    return recorded, traced
+def _both(step: Callable[[Recorder | None], TrainGraph]) -> tuple[TrainGraph, TrainGraph]:
+    """`step(recorder)` recorded, then traced by make_fx (no recorder)."""
+    return step(record.record), step(None)
 
 
 def _assert_same(recorded: TrainGraph, traced: TrainGraph) -> None:
@@ -51,7 +47,7 @@ def _assert_same(recorded: TrainGraph, traced: TrainGraph) -> None:
 
 
 @pytest.mark.parametrize("name", C.matrix_families())
-def test_recorded_step_is_make_fx_trace(name, monkeypatch):
+def test_recorded_step_is_make_fx_trace(name):
     try:
         model = _planning_model(name, LAYERS)
     except Exception:  # noqa: BLE001 - a family that needs its own depth (its table of hybrid layers)
@@ -61,7 +57,7 @@ def test_recorded_step_is_make_fx_trace(name, monkeypatch):
             pytest.skip(f"no model on fake weights: {C._one_line(e)}")
     ids = torch.zeros(C.BATCH, C.SEQ, dtype=torch.long)
     try:
-        recorded, traced = _both(monkeypatch, lambda: capture.capture(model, ids, ids.clone(), loss_chunk=LOSS_CHUNK))
+        recorded, traced = _both(lambda r: window_step(model, ids, ids.clone(), loss_chunk=LOSS_CHUNK, recorder=r))
     except UnsupportedModel as e:
         pytest.skip(str(e))
     except torch._subclasses.fake_tensor.DataDependentOutputException as e:
@@ -71,20 +67,24 @@ def test_recorded_step_is_make_fx_trace(name, monkeypatch):
 
 @pytest.mark.parametrize("exact", [True, False], ids=["exact", "truncated"])
 @pytest.mark.parametrize("name", ["llama", "qwen3_5_text", "gemma2"])  # plain; recurrent state; sliding window
-def test_recorded_walk_chunk_is_make_fx_trace(name, exact, monkeypatch):
+def test_recorded_walk_chunk_is_make_fx_trace(name, exact):
     """The walk's chunk step: state inputs, gradient sums filled by hooks, seeded cotangents (exact)."""
     model = _planning_model(name, LAYERS)
-    recorded, traced = _both(monkeypatch, lambda: walk.capture_chunk(model, C.BATCH, C.SEQ, C.UBATCH, exact=exact))
+    recorded, traced = _both(lambda r: chunk_step(model, C.BATCH, C.SEQ, C.UBATCH, exact=exact, recorder=r))
     _assert_same(recorded, traced)
 
 
-def test_a_step_that_runs_is_traced_by_make_fx(monkeypatch):
+def test_a_step_that_runs_is_traced_by_make_fx():
     """Real weights: the recorder is never asked (a step that runs keeps make_fx's graph)."""
     asked: list[int] = []
-    monkeypatch.setattr(capture, "_recorded", lambda *_: asked.append(1))
+
+    def recorder(fn, args):
+        asked.append(1)
+        return record.record(fn, args)
+
     model = models.build_from_config(models.with_layers(C.tiny_config("llama"), LAYERS)).train()
     ids = torch.zeros(C.BATCH, C.SEQ, dtype=torch.long)
-    capture.capture(model, ids, ids.clone())
+    window_step(model, ids, ids.clone(), recorder=recorder)
     assert not asked
-    capture.capture(_planning_model("llama", LAYERS), ids, ids.clone())  # fake weights: recorded
+    window_step(_planning_model("llama", LAYERS), ids, ids.clone(), recorder=recorder)  # fake weights: recorded
     assert asked == [1]

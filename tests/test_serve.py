@@ -285,7 +285,8 @@ BAD_INPUTS = [
     ("arrays nested 100,000 deep completion", "POST", "/completion", b'{"prompt": ' + b"[" * 100_000, 400,
      "invalid_request_error", "body"),
     ("unknown job", "GET", "/train/job-nope", None, 404, "not_found_error", "job-nope"),
-    ("cancel unknown job", "DELETE", "/train/job-nope", None, 404, "not_found_error", "job-nope"),
+    ("cancel unknown job", "POST", "/train/job-nope/cancel", None, 404, "not_found_error", "job-nope"),
+    ("delete unknown job", "DELETE", "/train/job-nope", None, 404, "not_found_error", "job-nope"),
     ("resume unknown job", "POST", "/train/job-nope/resume", None, 404, "not_found_error", "job-nope"),
     ("events of unknown job", "GET", "/train/job-nope/events", None, 404, "not_found_error", "job-nope"),
     ("unknown route", "GET", "/nowhere", None, 404, "not_found_error", "/nowhere"),
@@ -457,18 +458,28 @@ def test_plan_first_queues_nothing(server):
     assert server.wait_job(job["id"])["status"] == "succeeded"
 
 
-def test_cancel_running_job(server):
+def test_cancel_running_job_then_delete_its_record(server):
+    """OpenAI's fine-tuning conventions: `POST .../cancel` stops a job and keeps it (cancelled, resumable);
+    DELETE refuses a job still running, and removes a finished one's record and events."""
     job_id = server.submit(**long_job())["id"]
     try:
         server.wait_job(job_id, lambda j: j["status"] == "running" and j["step"] >= 2)
-        out = server.ok("DELETE", f"/train/{job_id}")
+        status, out = server.request("DELETE", f"/train/{job_id}")
+        assert status == 409 and out["error"]["code"] == "job_active"  # running: cancel it first
+        out = server.ok("POST", f"/train/{job_id}/cancel")
         assert out["id"] == job_id
         done = server.wait_job(job_id)
-        assert done["status"] == "cancelled" and 2 <= done["step"] < 3800
+        assert done["status"] == "cancelled" and 2 <= done["step"] < 3800 and done["resumable"]
         events = server.ok("GET", f"/train/{job_id}/events?stream=false")["data"]
         assert events[-1]["event"] == "cancelled"
-        status, out = server.request("DELETE", f"/train/{job_id}")
+        status, out = server.request("POST", f"/train/{job_id}/cancel")
         assert status == 409 and out["error"]["code"] == "job_finished"
+        assert server.ok("DELETE", f"/train/{job_id}") == {"id": job_id, "object": "train.job.deleted",
+                                                             "deleted": True}
+        for path in (f"/train/{job_id}", f"/train/{job_id}/events?stream=false"):
+            status, out = server.request("GET", path)
+            assert status == 404 and out["error"]["code"] == "not_found", path
+        assert job_id not in [j["id"] for j in server.ok("GET", "/train")["data"]]
     finally:
         server.cancel(job_id)
 
@@ -580,7 +591,7 @@ def test_kill_and_restart(tmp_path):
 
 
 def test_bad_model_exits(tmp_path):
-    out = subprocess.run([sys.executable, "-m", "remat.serve.app", "--model", "no-such-model", "--port",
+    out = subprocess.run([sys.executable, "-m", "remat", "serve", "--model", "no-such-model", "--port",
                           str(free_port()), "--state-dir", str(tmp_path)], capture_output=True, text=True,
                          timeout=120, check=False)
     assert out.returncode == 2 and "no-such-model" in out.stderr and "Traceback" not in out.stderr

@@ -10,15 +10,17 @@ import torch
 from torch import fx
 
 import conformance as C
+from planning import planner_of
 from remat.base.settings import TrainSettings
 from remat.core import policies
-from remat.core.capture import EagerStridesFakeMode, capture
+from remat.core.capture import EagerStridesFakeMode
 from remat.core.graph import TrainGraph, tensors_in
 from remat.core.plan import plan
 from remat.core.recompute import LAYER, Rewriter
-from remat.fastplan import pieces, stamp
+from remat.fastplan import picking, pieces, stamp
 from remat.models import load as models
 from remat.models.hf import UnsupportedModel
+from remat.models.steps import window_step
 from remat.training import step
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -100,7 +102,7 @@ def test_stamped_step_is_the_whole_trace(name):
     pieces_refused: list[str] = []
 
     def whole() -> TrainGraph:
-        return capture(model, ids, ids.clone(), loss_chunk=LOSS_CHUNK)
+        return window_step(model, ids, ids.clone(), loss_chunk=LOSS_CHUNK)
 
     def small() -> TrainGraph:  # as `step` plans: the loss's pieces stamped where they can be
         try:
@@ -124,7 +126,7 @@ def test_stamped_step_is_the_whole_trace(name):
         stamped = small()  # its layers traced whole, its loss's pieces still stamped
     else:
         assert name not in TRACED_WHOLE, f"{name} stamps now: drop it from TRACED_WHOLE"
-        copied = stamp.decoder_layers(model).__dict__["_remat_picked"].last_copied
+        copied = stamper.picked.last_copied
         assert copied == (name not in LAST_ITSELF), f"{name}'s last layer is {'copied' if copied else 'itself'}"
     assert not pieces_refused, pieces_refused
     full = whole()
@@ -146,7 +148,7 @@ def test_stamped_pieces_with_a_short_last_piece(name):
     traced: list[int] = []
 
     def whole() -> TrainGraph:
-        tg = capture(model, ids, ids.clone(), loss_chunk=LOSS_CHUNK)
+        tg = window_step(model, ids, ids.clone(), loss_chunk=LOSS_CHUNK)
         traced.append(len(tg.graph.nodes))
         return tg
 
@@ -163,8 +165,8 @@ def test_stamped_pieces_with_a_short_last_piece(name):
 def test_a_plan_traces_the_first_layer_and_two_of_each_type(model, traced):
     with EagerStridesFakeMode(allow_non_fake_inputs=True):
         built = models.build_from_config(models.load_config(model))
-    layers = [stamp._signature(m) for m in stamp.decoder_layers(built)]
-    picked = stamp._pick(layers)
+    layers = [picking.signature(m) for m in stamp.decoder_layers(built)]
+    picked = picking.pick(layers)
     assert picked.traced == traced
     assert [layers[picked.traced[picked.source[i]]] for i in range(len(layers))] == layers  # each from its type
 
@@ -173,25 +175,25 @@ def test_the_last_layer_is_its_types_copied_one_unless_no_layer_between_is_of_it
     """Two dense layers, then MoE ones, the last dense again: the second dense layer's twin is the last layer,
     the one copied for it; every MoE layer is layer 3, copied. A last layer of a type of its own stands for
     itself, and so it does where its check failed (picked again, `last_copied=False`)."""
-    picked = stamp._pick(["dense"] * 2 + ["moe"] * 7 + ["dense"])
+    picked = picking.pick(["dense"] * 2 + ["moe"] * 7 + ["dense"])
     assert picked.traced == (0, 1, 2, 3, 9)
     assert picked.source == (0, 4, 3, 3, 3, 3, 3, 3, 3, 4)
     assert picked.alike == ((1, 4), (2, 3))
-    picked = stamp._pick(["dense"] + ["moe"] * 8 + ["last"])
+    picked = picking.pick(["dense"] + ["moe"] * 8 + ["last"])
     assert (picked.traced, picked.alike, picked.source[-1]) == ((0, 1, 2, 9), ((1, 2),), 3)
     assert picked.itself(3)
-    picked = stamp._pick(["moe"] * 10, last_copied=False)
+    picked = picking.pick(["moe"] * 10, last_copied=False)
     assert (picked.traced, picked.alike, picked.source[-1]) == ((0, 1, 2, 9), ((1, 2),), 3)
 
 
 @pytest.mark.parametrize("lora", [True, False])
 def test_a_planning_models_plans_are_stamped_without_its_graph(monkeypatch, lora):
     """The gate's plans of a model on fake weights (off, dots, on) make no graph of the whole step: stamped
-    from the small trace and its rewrites, they are the plans of the graphs `step.build` makes. every:2 keeps
+    from the small trace and its rewrites, they are the plans of the graphs `Planner.build` makes. every:2 keeps
     marks by their layer's number, so the layer copied does not stand for the others: it is planned from the
     whole stamped graph."""
     s = TrainSettings(model="tiny-llama", ctx=32, batch=1, lora=lora)
-    model = step.planning_model(models.with_layers(models.load_config("tiny-llama"), LAYERS), s)
+    planner = planner_of(s, models.with_layers(models.load_config("tiny-llama"), LAYERS))
     shape = step.StepShape.of(s)
     graphs = []
     whole_graph = stamp.Stamper.graph
@@ -201,11 +203,11 @@ def test_a_planning_models_plans_are_stamped_without_its_graph(monkeypatch, lora
         return graphs[-1]
 
     monkeypatch.setattr(stamp.Stamper, "graph", counted)
-    stamped = step.plans(model, shape, step.LAYERS_ALIKE)
+    stamped = planner.plans(shape, step.LAYERS_ALIKE)
     assert graphs == []
-    every = step.plans(model, shape, ("every:2",))
+    every = planner.plans(shape, ("every:2",))
     assert len(graphs) == 1
     monkeypatch.undo()
-    assert stamped == {k: plan(step.build(model, shape, k)) for k in stamped}
-    assert every["every:2"] == plan(step.build(model, shape, "every:2"))
+    assert stamped == {k: plan(planner.build(shape, k)) for k in stamped}
+    assert every["every:2"] == plan(planner.build(shape, "every:2"))
     assert stamped["on"].graph < stamped["off"].graph  # the rewrite was planned, not the step again

@@ -10,13 +10,14 @@ import pytest
 import torch
 import transformers
 
+from planning import planner_of
 from remat.base.settings import Note, TrainSettings
 from remat.core import policies
 from remat.core.plan import plan
 from remat.core.recompute import keep_reasons, saved_nodes
 from remat.models import adapters, quant, stored
 from remat.models import load as models
-from remat.training import step
+from remat.training.step import Planner, StepShape
 from remat.training.train import BatchRunner, Hooks
 from tiny_gguf import MIXED, write
 
@@ -127,8 +128,9 @@ def test_a_step_on_stored_weights_is_the_float_models_step(gguf_path, path_kind,
     ids, labels = batch()
     results = []
     for model in lora_pair(gguf_path):
-        graph = step.build(model, step.StepShape.of(s), policy)
-        loss, grads = BatchRunner(model, graph, s, Hooks()).run(ids, labels)
+        planner = Planner(model)
+        graph = planner.build(StepShape.of(s), policy)
+        loss, grads = BatchRunner(model, graph, s, Hooks(), planner.probes).run(ids, labels)
         results.append((loss, grads))
     (loss, grads), (want_loss, want_grads) = results
     assert loss == want_loss and len(grads) == len(want_grads) == 2 * 7 * 2
@@ -137,8 +139,9 @@ def test_a_step_on_stored_weights_is_the_float_models_step(gguf_path, path_kind,
 
 def test_dequantized_weights_are_recomputed_under_every_policy(gguf_path):
     model, float_model = lora_pair(gguf_path)
-    shape = step.StepShape("window", 1, CTX, None, 0)
-    traced = step._traced_step(step._Step.of(model, shape))
+    shape = StepShape("window", 1, CTX, None, 0)
+    planner, float_planner = Planner(model), Planner(float_model)
+    traced = planner._traced_step(planner._at(shape))
     forward = traced.forward_nodes()
     made = [n for n in forward if n.target is quant.DEQUANTIZE]
     assert len(made) == len(list(stored.stored(model))) + ("untied" not in gguf_path.name)  # a tied head: twice
@@ -147,23 +150,24 @@ def test_dequantized_weights_are_recomputed_under_every_policy(gguf_path):
     saved = [n for n in saved_nodes(traced) if policies.always_recomputed(n)]
     assert saved  # the backward reads the float weights (the input's gradient) ...
     for name in ("off", "on", "dots", "every:2"):
-        chosen = step._policy(step._Step.of(model, shape), name)
+        chosen = planner._policy(name)
         assert chosen is not None
         assert not set(saved) & set(keep_reasons(traced, chosen)), name  # ... from clones made in the backward
-        assert "recompute" in step.build(model, shape, name).info  # off too: a rewrite
+        assert "recompute" in planner.build(shape, name).info  # off too: a rewrite
     # a float model's off is the trace itself, not a rewrite: byte for byte today's graph
-    float_off = step.build(float_model, shape, "off")
-    assert float_off is step._traced_step(step._Step.of(float_model, shape)) and "recompute" not in float_off.info
+    float_off = float_planner.build(shape, "off")
+    assert float_off is float_planner._traced_step(float_planner._at(shape)) and "recompute" not in float_off.info
 
 
 def test_plans_count_blocks_as_frozen_and_the_float_copies_in_the_graph(gguf_path):
     model, float_model = lora_pair(gguf_path)
-    shape = step.StepShape("window", 1, CTX, None, 0)
-    mine, theirs = step.plans(model, shape), step.plans(float_model, shape)
+    shape = StepShape("window", 1, CTX, None, 0)
+    planner = Planner(model)
+    mine, theirs = planner.plans(shape), Planner(float_model).plans(shape)
     base_bytes = (stored.stored_bytes(model) + sum(b.nbytes for b in model.buffers())
                   + sum(p.nbytes for p in model.parameters() if p.dtype == torch.float32 and not p.requires_grad))
     assert mine["off"].frozen == base_bytes < theirs["off"].frozen
-    assert mine["off"].graph == plan(step.build(model, shape, "off")).graph  # planned without the graph: the same
+    assert mine["off"].graph == plan(planner.build(shape, "off")).graph  # planned without the graph: the same
     for p in ("off", "on"):
         assert mine[p].params == theirs[p].params and mine[p].graph > 0
 
@@ -172,10 +176,10 @@ def test_the_plan_from_the_header_is_the_loaded_models(gguf_path):
     """The gate before the weights load (config, header, fake blocks, stamped and recorded) plans what the
     loaded model's step (traced whole by make_fx) plans, category for category."""
     s = TrainSettings(model=str(gguf_path), ctx=CTX, lora_r=4)
-    shape = step.StepShape.of(s)
-    early = step.plans(step.planning_model(models.load_config(s.model), s), shape)
+    shape = StepShape.of(s)
+    early = planner_of(s).plans(shape)
     model = adapters.apply_lora(models.load_model(s.model).model, adapters.LoraSettings(r=4), seed=s.seed)
-    traced = step.plans(model, shape)
+    traced = Planner(model).plans(shape)
     assert {k: p.as_dict() for k, p in early.items()} == {k: p.as_dict() for k, p in traced.items()}
 
 
@@ -242,11 +246,12 @@ def test_budget_mode_saves_back_no_float_copy(gguf_path):
     """Between on and off, budget mode saves back what is costliest to recompute per byte, as far as the budget
     lets it: never a dequantized weight (the rule `off` keeps too), and the plan it chose is its graph's."""
     model, _ = lora_pair(gguf_path)
-    shape = step.StepShape("window", 1, CTX, None, 0)
-    planned = step.plans(model, shape)
+    shape = StepShape("window", 1, CTX, None, 0)
+    planner = Planner(model)
+    planned = planner.plans(shape)
     budget = (planned["on"].total + planned["off"].total) // 2
-    choice = step.choose(model, shape, "budget", budget)
+    choice = planner.choose(shape, "budget", budget)
     assert "+" in choice.policy and choice.plan.total <= budget  # a save-back between the rungs
     # its probe planned what the graph holds: had it saved back a float copy, which the rewrite never keeps,
     # the two would differ
-    assert plan(step.build(model, shape, choice.policy)).total == choice.plan.total
+    assert plan(planner.build(shape, choice.policy)).total == choice.plan.total

@@ -63,7 +63,7 @@ def test_resume_refuses_a_folder_without_checkpoints(tmp_path):
 
 
 def _cli(*args: str, env: dict | None = None, **kw) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "remat.cli", *args], stdout=subprocess.PIPE,
+    return subprocess.Popen([sys.executable, "-m", "remat", *args], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, env=env, **kw)
 
 
@@ -104,14 +104,14 @@ def test_export_merge_writes_a_loadable_model(tmp_path):
     from transformers import AutoModelForCausalLM
 
     r = run_tiny(out=str(tmp_path / "adapter"))
-    done = subprocess.run([sys.executable, "-m", "remat.cli", "export", "--merge", "--adapter",
+    done = subprocess.run([sys.executable, "-m", "remat", "export", "--merge", "--adapter",
                            str(tmp_path / "adapter"), "--out", str(tmp_path / "merged")],
                           capture_output=True, text=True, check=False)
     assert done.returncode == 0, done.stderr
     merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged")
     assert any(p.name.endswith(".safetensors") for p in (tmp_path / "merged").iterdir())
     assert r["outputs"] and sum(p.numel() for p in merged.parameters()) > 0
-    bad = subprocess.run([sys.executable, "-m", "remat.cli", "export", "--merge", "--adapter",
+    bad = subprocess.run([sys.executable, "-m", "remat", "export", "--merge", "--adapter",
                           str(tmp_path / "nothing"), "--out", str(tmp_path / "m2")],
                          capture_output=True, text=True, check=False)
     assert bad.returncode == 2 and "Traceback" not in bad.stderr and "error" in bad.stderr

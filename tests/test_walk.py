@@ -16,15 +16,17 @@ import pytest
 import torch
 
 import conformance
+from planning import plan_settings
 from remat.base.settings import TrainSettings
 from remat.core import alias
-from remat.core.capture import EagerStridesFakeMode, capture
+from remat.core.capture import EagerStridesFakeMode
 from remat.core.graph import StepInputs, TrainGraph
 from remat.core.plan import Plan, measure, plan
 from remat.core.recompute import explain, keep_reasons, rewrite, saved_nodes
+from remat.models import steps
 from remat.models.load import build_from_config, load_config, load_model
+from remat.models.steps import window_step
 from remat.training import walk
-from remat.training.step import plan_settings
 from remat.training.train import finetune
 
 TINY = ("tiny-llama", "tiny-qwen35")
@@ -65,7 +67,7 @@ def run_window(graph: TrainGraph, model: torch.nn.Module, state: dict[str, torch
 
 
 def window_loss(model: torch.nn.Module, ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    tg = capture(model, ids, labels)
+    tg = window_step(model, ids, labels)
     with torch.no_grad():
         return tg(*StepInputs.of(model).args(ids, labels))[0]
 
@@ -74,7 +76,7 @@ def window_loss(model: torch.nn.Module, ids: torch.Tensor, labels: torch.Tensor)
 def tiny(name: str) -> tuple[torch.nn.Module, TrainGraph]:
     """A tiny preset's model and its traced walk chunk (batch 2, ctx 64, ubatch 16), once per module."""
     model = load_model(name, seed=0).model
-    return model, walk.capture_chunk(model, BATCH, CTX, UBATCH)
+    return model, steps.chunk_step(model, BATCH, CTX, UBATCH)
 
 
 @functools.cache
@@ -125,11 +127,11 @@ def test_walk_forward_loss_equals_the_windows(name, request):
     where the window path takes one mean: both change the order of floating-point sums."""
     if name == "smollm2":
         model, batch, ubatch = request.getfixturevalue("smollm2"), 1, 32
-        tg = walk.capture_chunk(model, batch, CTX, ubatch)
+        tg = steps.chunk_step(model, batch, CTX, ubatch)
     else:
         (model, tg), batch, ubatch = tiny(name), BATCH, UBATCH
     ids, labels = random_window(model.config.vocab_size, batch, CTX, seed=1)
-    losses, _ = run_window(tg, model, walk.new_state(model, batch, CTX), ids, labels, ubatch)
+    losses, _ = run_window(tg, model, steps.new_state(model, batch, CTX), ids, labels, ubatch)
     assert len(losses) == CTX // ubatch
     walked, reference = torch.stack(losses).sum(), window_loss(model, ids, labels)
     assert torch.isfinite(reference)
@@ -151,7 +153,7 @@ def test_walk_recompute_on_off_bitwise_over_windows(name):
         model = load_model(name, seed=0).model
         params = list(StepInputs.of(model).trainable.values())
         opt = torch.optim.AdamW(params, lr=1e-3, weight_decay=0.0)
-        state = walk.new_state(model, BATCH, CTX)
+        state = steps.new_state(model, BATCH, CTX)
         record = []
         for window in range(3):
             ids, labels = random_window(model.config.vocab_size, BATCH, CTX, seed=10 + window)
@@ -286,7 +288,7 @@ def walk_plans(num_layers: int, ctx: int) -> dict[str, Plan]:
         return plan_settings(TrainSettings(model="tiny-llama", ctx=ctx, path="walk", ubatch=64, lora=False))
     with EagerStridesFakeMode(allow_non_fake_inputs=True):
         model = build_from_config(load_config("tiny-llama", num_layers=num_layers))
-    tg = walk.capture_chunk(model, 1, ctx, 64, exact=True)  # as plan_settings: the default walk
+    tg = steps.chunk_step(model, 1, ctx, 64, exact=True)  # as plan_settings: the default walk
     return {"off": plan(tg), "on": plan(rewrite(tg))}
 
 
@@ -296,7 +298,7 @@ def test_a_planning_model_walks_again_the_same():
     first one's hooks, adding each gradient into an old sum (a constant and an add_ more per trainable)."""
     with EagerStridesFakeMode(allow_non_fake_inputs=True):
         model = build_from_config(load_config("tiny-llama"))
-    first, second = (walk.capture_chunk(model, 1, 128, 64) for _ in range(2))
+    first, second = (steps.chunk_step(model, 1, 128, 64) for _ in range(2))
     assert len(second.graph.nodes) == len(first.graph.nodes)
     assert not [n for n in second.graph.nodes if n.op == "get_attr"]
     assert plan(second).as_dict() == plan(first).as_dict()
@@ -333,7 +335,7 @@ def test_walk_planned_graph_matches_measured(name, recompute):
     model, tg = tiny(name)
     if recompute == "on":
         tg = tiny_rewritten(name)
-    state = walk.new_state(model, BATCH, CTX)
+    state = steps.new_state(model, BATCH, CTX)
     for t in state.values():
         t.normal_(generator=torch.Generator().manual_seed(2))  # earlier chunks' rows and state
     ids, labels = random_window(model.config.vocab_size, BATCH, UBATCH, seed=3)
@@ -365,8 +367,8 @@ def window_and_exact_walk(model: torch.nn.Module, ids: torch.Tensor, labels: tor
     """-> ((loss, grads) of the one-graph window, (loss, grads) of the exact walk in chunks of `ubatch`)."""
     tensors = StepInputs.of(model)
     with torch.no_grad():
-        reference_loss, *reference = capture(model, ids, labels).gm(*tensors.args(ids, labels))
-    tg = walk.capture_chunk(model, ids.shape[0], ids.shape[1], ubatch, exact=True)
+        reference_loss, *reference = window_step(model, ids, labels).gm(*tensors.args(ids, labels))
+    tg = steps.chunk_step(model, ids.shape[0], ids.shape[1], ubatch, exact=True)
     return (reference_loss, reference), exact_window(model, tg, ids, labels, ubatch)
 
 
@@ -390,7 +392,7 @@ def test_exact_walk_gives_the_windows_loss_and_grads(name, chunks):
     ubatch = CTX // chunks
     assert abs(loss - reference_loss.item()) <= 1e-5 * reference_loss.item()
     assert conformance.grads_rel(grads, reference) <= 1e-5
-    truncated = run_window(walk.capture_chunk(model, BATCH, CTX, ubatch), model, walk.new_state(model, BATCH, CTX),
+    truncated = run_window(steps.chunk_step(model, BATCH, CTX, ubatch), model, steps.new_state(model, BATCH, CTX),
                            ids, labels, ubatch)
     assert abs(torch.stack(truncated[0]).sum().item() - reference_loss.item()) <= 1e-5 * reference_loss.item()
     assert conformance.grads_rel(truncated[1], reference) > 1e-2  # the truncated walk's gradient is another one
@@ -430,7 +432,7 @@ def test_exact_walk_through_the_delta_rule_is_the_windows(chunks, delta_rule_in_
 def test_exact_walk_recompute_on_off_bitwise(name):
     model = load_model(name, seed=0).model
     ids, labels = random_window(model.config.vocab_size, BATCH, CTX, seed=6)
-    off = walk.capture_chunk(model, BATCH, CTX, UBATCH, exact=True)
+    off = steps.chunk_step(model, BATCH, CTX, UBATCH, exact=True)
     (loss_off, grads_off), (loss_on, grads_on) = (exact_window(model, tg, ids, labels, UBATCH)
                                                   for tg in (off, rewrite(off)))
     assert loss_off == loss_on
@@ -442,7 +444,7 @@ def test_exact_walk_plans_its_buffers_and_graph(name):
     """The plan's cache is the bytes the walk really holds (cache, its gradient buffers, every chunk's start
     state from the forward sweep), and the chunk graph's planned peak is the measured one."""
     model = load_model(name, seed=0).model
-    tg = rewrite(walk.capture_chunk(model, BATCH, CTX, UBATCH, exact=True))
+    tg = rewrite(steps.chunk_step(model, BATCH, CTX, UBATCH, exact=True))
     ids, labels = random_window(model.config.vocab_size, BATCH, CTX, seed=7)
     w = walk.Walk(model, BATCH, CTX, UBATCH, exact=True)
     starts = w.forward_sweep(ids, lambda: None)

@@ -207,7 +207,7 @@ def cmd_finetune(args: argparse.Namespace) -> int:
     from remat.training.train import Hooks, finetune
 
     def show_plan(gate: dict, heading: str = "") -> None:  # before the first step: what the run will hold at once
-        print(f"{heading}recompute: {gate['policy']} ({gate['recompute_reason']})\n"
+        print(f"{heading}budget: {gate['budget_source']}\nrecompute: {gate['policy']} ({gate['recompute_reason']})\n"
               f"{table(gate['plans'], ran=gate['policy'])}", file=sys.stderr, flush=True)
 
     def show_early_plan(gate: dict) -> None:
@@ -243,38 +243,33 @@ def cmd_finetune(args: argparse.Namespace) -> int:
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
-    from remat.core.plan import available_memory, per_rank
     from remat.models import load as models
-    from remat.training import distributed, step
+    from remat.training import gate, step
 
     which = args.recompute
     s = settings_from(TrainSettings, args, recompute="auto" if which == "both" else which)
-    ranks = distributed.Ranks(world_size=args.world_size, local_world_size=args.world_size)
-    local = ranks.local(s)  # one rank's share of the global batch
     config = models.load_config(s.model)
-    limit = config.max_position_embeddings
-    if s.ctx > limit:  # a plan answers "would it fit"; training there is refused
-        print(f"remat: note: --ctx {s.ctx} is above the model's maximum context {limit}", file=sys.stderr)
+    if s.ctx > models.max_ctx(config):  # a plan answers "would it fit"; training there is refused
+        print(f"remat: note: --ctx {s.ctx} is above the model's maximum context {models.max_ctx(config)}",
+              file=sys.stderr)
+    gated = which in ("budget", "auto")  # else only the plans asked for: no budget to hold them to
+    budget = gate.Budget.of(s.memory_budget, ranks_here=args.world_size) if gated else gate.Budget.unlimited()
+    admitted = gate.admit(s, budget, world_size=args.world_size, planners=gate.Planners(config))
+    shown = list(admitted.plans) if gated else ["off", "on"] if which == "both" else [step.policy_name(which)]
     result: dict[str, Any] = {"model": s.model or "default", "ctx": s.ctx, "batch": s.batch, "path": s.path,
                               "walk": s.walk if s.path == "walk" else None, "loss_chunk": s.loss_chunk,
-                              "lora": s.lora, "world_size": ranks.world_size, "rank_batch": local.batch,
-                              "weights": s.weights}
-    model = step.planning_model(config, s)
-    shape = step.StepShape.of(local)
-    with per_rank(ranks.world_size):  # the optimizer row: the largest rank's ZeRO share
-        if which in ("budget", "auto"):
-            choice = step.choose(model, shape, which, s.memory_budget or ranks.budget(available_memory()))
-            result |= {"policy": choice.policy, "reason": choice.reason, "plan": choice.plan.as_dict()}
-            plans = choice.plans
-        else:
-            plans = step.plans(model, shape, ("off", "on") if which == "both" else (step.policy_name(which),))
-    result["plans"] = {k: p.as_dict() for k, p in plans.items()}
+                              "lora": s.lora, "world_size": args.world_size, "rank_batch": admitted.settings.batch,
+                              "weights": s.weights,
+                              "plans": {k: admitted.plans[k].as_dict() for k in shown}}
+    if gated:
+        result |= {"policy": admitted.policy, "reason": admitted.choice.reason, "plan": admitted.plan.as_dict(),
+                   "budget": admitted.budget.bytes, "budget_source": str(admitted.budget)}
     human = table(result["plans"])
-    if ranks.parallel:
-        human = (f"per rank of {ranks.world_size} processes (batch {local.batch} of {s.batch}; optimizer state "
-                 f"sharded as ZeRO does it):\n") + human
-    if "policy" in result:
-        human += f"\nchosen: {result['policy']} ({result['reason']})"
+    if args.world_size > 1:
+        human = (f"per rank of {args.world_size} processes (batch {admitted.settings.batch} of {s.batch}; "
+                 "optimizer state sharded as ZeRO does it):\n") + human
+    if gated:
+        human += f"\nbudget: {admitted.budget}\nchosen: {result['policy']} ({result['reason']})"
     emit(args, result, human)
     return 0
 
@@ -310,15 +305,15 @@ def cmd_verify(args: argparse.Namespace) -> int:
     from remat.core.graph import StepInputs
     from remat.core.recompute import explain, verify
     from remat.models import load as models
-    from remat.training import step
+    from remat.training.step import Planner, StepShape
 
     s = settings_from(TrainSettings, args)
     loaded = models.load_model(s.model, as_stored=False)  # every weight trains, as in full fine-tuning
     models.check_ctx(s.ctx, loaded.model.config)
-    shape = step.StepShape.of(s)
+    shape, planner = StepShape.of(s), Planner(loaded.model)
     g = torch.Generator().manual_seed(0)
     ids, labels = torch.randint(0, loaded.model.config.vocab_size, (2, s.batch, s.ctx), generator=g)
-    result = verify(step.build(loaded.model, shape, True), StepInputs.of(loaded.model).args(ids, labels))
+    result = verify(planner.build(shape, True), StepInputs.of(loaded.model).args(ids, labels))
     d = result.first_difference
     out = {"clones": result.clones, "equal": result.equal, "first_difference": d and vars(d)}
     if d is None:
@@ -327,14 +322,10 @@ def cmd_verify(args: argparse.Namespace) -> int:
         human = (f"{result.clones} clones compared; first difference: {d.node} ({d.op}) in {d.mark}, "
                  f"shape {d.shape}, max abs diff {d.max_abs_diff:g}")
     if args.explain:  # per policy: what each keeps across the backward, and why
-        base = step.build(loaded.model, shape, "off")
+        base = planner.build(shape, "off")
         explained = {name: explain(base, p) for name in ("on", "dots", "every:2") if (p := policies.parse(name))}
         out["explain"] = {name: {"kept": e.kept, "counts": {k: dict(v) for k, v in e.counts.items()},
                                  "recomputed": dict(e.recomputed)} for name, e in explained.items()}
         human = "\n".join(f"policy {name}:\n{e.format()}" for name, e in explained.items()) + "\n" + human
     emit(args, out, human)
     return 0 if result.equal else EXIT_CHECK_FAILED
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -68,3 +68,12 @@ def staged_file(path: str | os.PathLike) -> Iterator[Path]:
 def listing(folder: Path, final: Path) -> list[str]:
     """The files under `folder`, named as they will be once `folder` is `final`."""
     return sorted(str(final / p.relative_to(folder)) for p in folder.rglob("*") if p.is_file())
+
+
+def remove_stale(folder: Path) -> list[Path]:
+    """Remove what `staged` left in `folder` when its process was killed mid-write (`.<name>.tmp-*`): no live
+    write is there when its owner (a job being started, a server starting) calls this. Returns what went."""
+    stale = sorted(folder.glob(".*.tmp-*")) if folder.is_dir() else []
+    for p in stale:
+        shutil.rmtree(p, ignore_errors=True) if p.is_dir() else p.unlink(missing_ok=True)
+    return stale

@@ -39,14 +39,19 @@ class UsageError(RematError, ValueError):
     exit_code = 2
 
 
+class AdapterError(UsageError):
+    """An adapter that cannot be made, saved or merged; the message is one line meant for the user."""
+
+
 class GateRefused(RematError):
     """The job does not fit the budget with any allowed setting; the message gives the figures."""
 
     exit_code = 3
 
-    def __init__(self, message: str, plans: dict[str, dict[str, int]] | None = None):
+    def __init__(self, message: str, plans: dict[str, dict[str, int]] | None = None, extra: dict | None = None):
         super().__init__(message)
         self.plans = plans or {}  # policy -> plan by category, for a caller that shows them
+        self.extra = extra or {}  # other figures of the refusal (a LoRA's own bytes)
 
 
 class Cancelled(Exception):

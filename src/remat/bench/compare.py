@@ -4,7 +4,7 @@ The variants train side by side in one process, on the same data from the same i
 weights (with `--lora`, the same initial adapter), each with its own copy of the model and its
 own AdamW:
 
-- `remat_off`: the traced step (`step.build`), recompute off, run as `train.BatchRunner` runs it
+- `remat_off`: the traced step (`Planner.build`), recompute off, run as `train.BatchRunner` runs it
   (on the walk path, the walk of `--walk`: exact by default);
 - `remat_on`: the same, recompute on;
 - `torch_checkpoint`: the Hugging Face model trained eagerly with its per-decoder-layer
@@ -26,28 +26,30 @@ from __future__ import annotations
 import argparse
 import contextlib
 import copy
-import functools
 import json
 import platform
-import statistics
 import sys
-import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, TypeVar
 
 import torch
 from torch import nn
 
 from remat.base.settings import MiB, TrainSettings, UsageError
-from remat.core.graph import StepInputs
-from remat.core.plan import plan, process_peak, reset_process_peak, resident, return_freed_memory, trim_heap
+from remat.bench.common import (
+    Variant,
+    eager_variant,
+    mib,
+    random_batches,
+    remat_variant,
+    run_step,
+    secs,
+    training,
+    x,
+)
+from remat.core.process import return_freed_memory
 from remat.models import adapters
 from remat.models import load as models
-from remat.models.hf import causal_lm_loss
-from remat.training import step
-from remat.training.train import BatchRunner, Hooks
 
 VARIANTS = ("remat_off", "remat_on", "torch_checkpoint", "eager")
 WALK_VARIANTS = ("remat_on_truncated", "remat_on_window")  # the walk path's two more
@@ -62,177 +64,6 @@ WALK_LOSS_RTOL = 1e-5  # the exact walk's losses vs the window's, relative, per 
 def variant_names(path: str) -> tuple[str, ...]:
     """The variants a bench on this path runs, in their interleaved order."""
     return VARIANTS + WALK_VARIANTS if path == "walk" else VARIANTS
-
-T = TypeVar("T")
-
-
-# ---------------------------------------------------------------------------------------- measuring
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def peak_during(fn: Callable[[], T], device: torch.device) -> tuple[T, int]:
-    """Run `fn()` and return its result and the peak of bytes allocated while it ran, above the start.
-
-    CPU: the profiler's allocation and free events, summed in order. CUDA: the allocator's peak
-    statistic minus what was allocated before. Tensors alive before the call count for nothing.
-    """
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-        base = torch.cuda.memory_allocated(device)
-        torch.cuda.reset_peak_memory_stats(device)
-        result = fn()
-        torch.cuda.synchronize(device)
-        return result, torch.cuda.max_memory_allocated(device) - base
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        result = fn()
-    cpu = torch._C._autograd.DeviceType.CPU
-    events = [e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]" and e.device_type() == cpu]
-    events.sort(key=lambda e: e.start_ns())  # stable: events with one timestamp keep their recorded order
-    live = peak = 0
-    for e in events:
-        live += e.nbytes()
-        peak = max(peak, live)
-    return result, peak
-
-
-# ---------------------------------------------------------------------------------------- variants
-
-
-@dataclass
-class Variant:
-    name: str
-    model: nn.Module
-    step: Callable[[torch.Tensor, torch.Tensor], float]  # forward + backward; leaves grads in p.grad
-    setup: Callable[[], None]  # before the first step, outside its measurement (remat: trace, plan)
-    params: list[torch.Tensor]
-    loss_note: str
-    planned_graph: int | None = None
-    planned_cache: int | None = None
-    measured_graph: int | None = None
-    measured_peak: int | None = None
-    process_peaks: list[int] = field(default_factory=list)  # per timed step: peak RSS above the step's start
-    seconds: list[float] = field(default_factory=list)
-    losses: list[float] = field(default_factory=list)
-    optimizer: torch.optim.Optimizer | None = None
-
-    def result(self) -> dict:
-        timed = self.seconds[1:]  # the first step is the warm-up
-        return {
-            "variant": self.name,
-            "trainable_parameters": sum(p.numel() for p in self.params),
-            "planned_graph": self.planned_graph,
-            "planned_cache": self.planned_cache,
-            "measured_peak": self.measured_peak,
-            "measured_graph": self.measured_graph,
-            "process_peak": max(self.process_peaks, default=None),
-            "step_seconds": statistics.median(timed) if timed else None,
-            "step_seconds_all": self.seconds,
-            "losses": self.losses,
-            "loss": self.loss_note,
-        }
-
-
-def _remat_variant(name: str, model: nn.Module, s: TrainSettings, recompute: str | bool) -> Variant:
-    params = list(StepInputs.of(model).trainable.values())
-    state: dict = {}
-
-    def setup() -> None:
-        state["graph"] = step.build(model, step.StepShape.of(s), recompute)
-        p = plan(state["graph"])
-        v.planned_graph, v.planned_cache = p.graph, (p.cache or None)
-
-    def train_step(input_ids: torch.Tensor, labels: torch.Tensor) -> float:
-        if "runner" not in state:  # the walk's cache is allocated here, inside the measured step
-            state["runner"] = BatchRunner(model, state["graph"], s, Hooks())
-        runner: BatchRunner = state["runner"]
-        # The graph holds its own backward: autograd must not record it (with grad mode on, every op
-        # would save its inputs for a second, unused backward, and the grads would hold that graph).
-        with torch.no_grad():
-            loss, grads = runner.run(input_ids, labels)  # the first chunk runs observed (plan.measure)
-        if v.measured_graph is None and runner.measured is not None:
-            v.measured_graph = runner.measured.graph
-        for p_, g in zip(params, grads):
-            p_.grad = g
-        return loss
-
-    note = f"remat, loss in chunks of {s.loss_chunk}" if s.loss_chunk else "remat, unchunked loss"
-    if s.path == "walk":
-        note += f", {s.walk} walk in chunks of {s.ubatch}"
-    v = Variant(name, model, train_step, setup, params, note)
-    return v
-
-
-def _eager_variant(name: str, model: nn.Module, checkpoint: bool) -> Variant:
-    if checkpoint:
-        kwargs = {"use_reentrant": False}
-        hf_model: Any = model
-        if hasattr(model, "activation_checkpointing_enable"):  # transformers' newer name
-            hf_model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
-        else:
-            hf_model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
-    params = list(StepInputs.of(model).trainable.values())
-
-    def train_step(input_ids: torch.Tensor, labels: torch.Tensor) -> float:
-        loss = causal_lm_loss(model, input_ids, labels, 0)  # what HF users get: one unchunked cross-entropy
-        loss.backward()
-        return loss.item()
-
-    note = "HF eager, unchunked loss" + (", per-layer torch.utils.checkpoint" if checkpoint else "")
-    return Variant(name, model, train_step, lambda: None, params, note)
-
-
-def run_step(v: Variant, input_ids: torch.Tensor, labels: torch.Tensor, device: torch.device, *,
-             warm_up: bool) -> None:
-    """One training step of `v`, its optimizer update included; appends its time and loss.
-
-    The warm-up (`warm_up`, a variant's first step): remat traces here; its forward and backward are measured
-    (`peak_during`), not timed. Later steps are timed, and their process peak (optimizer update included) above
-    their start, taken from a trimmed heap (`trim_heap`, left out of the time), is appended to `v.process_peaks`."""
-    assert v.optimizer is not None
-    optimizer = v.optimizer
-
-    def update() -> None:
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        _sync(device)
-
-    if warm_up:
-        t0 = time.perf_counter()
-        v.setup()
-        loss, v.measured_peak = peak_during(functools.partial(v.step, input_ids, labels), device)
-        update()
-    else:
-        trim_heap()  # the start is what is live, not what the step before freed; outside the time
-        before = resident()
-        reset_process_peak()
-        t0 = time.perf_counter()
-        loss = v.step(input_ids, labels)
-        update()
-        if "rss" in (peak := process_peak()):
-            v.process_peaks.append(peak["rss"] - before)
-    v.seconds.append(time.perf_counter() - t0)
-    v.losses.append(loss)
-
-
-def random_batches(vocab: int, batch: int, ctx: int, steps: int,
-                   seed: int = 0) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """`steps` batches of uniformly random tokens; labels are the next token (the last one is not trained)."""
-    g = torch.Generator().manual_seed(seed)
-    out = []
-    for _ in range(steps):
-        ids = torch.randint(0, vocab, (batch, ctx + 1), generator=g)
-        out.append((ids[:, :-1].contiguous(), ids[:, 1:].contiguous()))
-    return out
-
-
-# ---------------------------------------------------------------------------------------- the bench
-
 
 def _ratio(a: float | None, b: float | None) -> float | None:
     return a / b if a is not None and b else None
@@ -254,9 +85,6 @@ def run_bench(model: str | None, ctx: int, batch: int = 1, steps: int = 3, path:
         raise UsageError(f"--steps must be at least 2 (the first step is the warm-up), got {steps}")
     s = TrainSettings(model=model, ctx=ctx, batch=batch, steps=steps, lr=lr, seed=seed, loss_chunk=loss_chunk,
                       path=path, ubatch=ubatch, walk=walk, lora=lora)
-    path = s.path  # the current spelling
-    names = variant_names(path)
-    lora_settings = adapters.LoraSettings() if lora else None
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
     def say(text: str) -> None:
@@ -266,30 +94,11 @@ def run_bench(model: str | None, ctx: int, batch: int = 1, steps: int = 3, path:
     return_freed_memory()  # as the trainer does: the process peaks follow what is live
     loaded = models.load_model(model, seed=seed, as_stored=lora)  # full fine-tuning trains float32 weights
     models.check_ctx(ctx, loaded.model.config)
-    base: nn.Module = loaded.model.to(device)  # type: ignore[arg-type]  # transformers types .to oddly
-    copies = [base] + [copy.deepcopy(base) for _ in names[1:]]  # the same initial weights, before any use
-    if lora_settings is not None:  # the same seed: every variant starts from the same adapter
-        copies = [adapters.apply_lora(m, lora_settings, seed=seed) for m in copies]
-    variants = [
-        _remat_variant("remat_off", copies[0], s, False),
-        _remat_variant("remat_on", copies[1], s, True),
-        _eager_variant("torch_checkpoint", copies[2], True),
-        _eager_variant("eager", copies[3], False),
-    ]
-    if path == "walk":
-        variants += [
-            _remat_variant("remat_on_truncated", copies[4], s.model_copy(update={"walk": "truncated"}), True),
-            _remat_variant("remat_on_window", copies[5], s.model_copy(update={"path": "window"}), True),
-        ]
-    assert [v.name for v in variants] == list(names)
-    for v in variants:
-        v.optimizer = torch.optim.AdamW(v.params, lr=lr, weight_decay=0.0)
-    vocab = loaded.model.config.vocab_size
-    data = [tuple(t.to(device) for t in b) for b in random_batches(vocab, batch, ctx, steps, seed)]
-
-    say(f"{loaded.name}, ctx {ctx}, batch {batch}, path {path}"
-        + (f" ({s.walk} walk)" if path == "walk" else "")
-        + f", {'LoRA r' + str(lora_settings.r) if lora_settings else 'full'}, {steps} steps on {device.type}")
+    variants = _variants(loaded.model.to(device), s)  # type: ignore[arg-type]  # transformers types .to oddly
+    data = [tuple(t.to(device) for t in b) for b in random_batches(loaded.model.config.vocab_size, batch, ctx,
+                                                                    steps, seed)]
+    say(f"{loaded.name}, ctx {ctx}, batch {batch}, path {s.path}" + (f" ({s.walk} walk)" if s.path == "walk" else "")
+        + f", {'LoRA r' + str(s.lora_r) if lora else 'full'}, {steps} steps on {device.type}")
     # Off CPU, tensors a step makes without a device (traced example inputs, walk offsets) must land on
     # the device; on CPU the device context is left out, as it costs a Python call on every op.
     with contextlib.nullcontext() if device.type == "cpu" else torch.device(device):
@@ -298,30 +107,49 @@ def run_bench(model: str | None, ctx: int, batch: int = 1, steps: int = 3, path:
                 run_step(v, input_ids, labels, device, warm_up=i == 0)
                 say(f"step {i + 1}/{steps} {v.name:<18} loss {v.losses[-1]:.6f}  {v.seconds[-1]:.2f} s"
                     + ("  (warm-up)" if i == 0 else ""))
-
-    results = [v.result() for v in variants]
-    result = {
-        "model": loaded.name,
-        "ctx": ctx,
-        "batch": batch,
-        "path": path,
-        "ubatch": ubatch if path == "walk" else None,
-        "walk": s.walk if path == "walk" else None,
-        "lora": lora_settings.r if lora_settings else None,  # the adapter's rank; None: full fine-tuning
-        "parameters": sum(p.numel() for p in base.parameters()),
-        "loss_chunk": loss_chunk,
-        "steps": steps,
-        "lr": lr,
-        "device": device.type if device.type == "cpu" else f"cuda ({torch.cuda.get_device_name(device)})",
-        "threads": torch.get_num_threads(),
-        "torch": torch.__version__,
-        "data": f"random tokens, seed {seed}",
-        "variants": results,
-    }
-    result |= summarize(result, device.type)
+    result = _result(loaded, s, device, [v.result() for v in variants])
     if out is not None:
         write_outputs(result, Path(out))
     return result
+
+
+def _variants(base: nn.Module, s: TrainSettings) -> list[Variant]:
+    """Every variant of the bench on `s`'s path, each on its own copy of `base` (the same initial weights; with
+    LoRA, the same initial adapter) with its own AdamW."""
+    names = variant_names(s.path)
+    copies = [base] + [copy.deepcopy(base) for _ in names[1:]]  # the same initial weights, before any use
+    if s.lora:  # the same seed: every variant starts from the same adapter
+        copies = [adapters.apply_lora(m, adapters.LoraSettings(), seed=s.seed) for m in copies]
+    variants = [
+        remat_variant("remat_off", copies[0], s, False),
+        remat_variant("remat_on", copies[1], s, True),
+        eager_variant("torch_checkpoint", copies[2], True),
+        eager_variant("eager", copies[3], False),
+    ]
+    if s.path == "walk":
+        variants += [
+            remat_variant("remat_on_truncated", copies[4], s.model_copy(update={"walk": "truncated"}), True),
+            remat_variant("remat_on_window", copies[5], s.model_copy(update={"path": "window"}), True),
+        ]
+    assert [v.name for v in variants] == list(names)
+    for v in variants:
+        v.optimizer = torch.optim.AdamW(v.params, lr=s.learning_rate, weight_decay=0.0)
+    return variants
+
+
+def _result(loaded: models.LoadedModel, s: TrainSettings, device: torch.device, results: list[dict]) -> dict:
+    walk = s.path == "walk"
+    result = {
+        "model": loaded.name, "ctx": s.ctx, "batch": s.batch, "path": s.path,
+        "ubatch": s.ubatch if walk else None, "walk": s.walk if walk else None,
+        "lora": s.lora_r if s.lora else None,  # the adapter's rank; None: full fine-tuning
+        "parameters": sum(p.numel() for p in loaded.model.parameters()),
+        "loss_chunk": s.loss_chunk, "steps": s.steps, "lr": s.learning_rate,
+        "device": device.type if device.type == "cpu" else f"cuda ({torch.cuda.get_device_name(device)})",
+        "threads": torch.get_num_threads(), "torch": torch.__version__, "data": f"random tokens, seed {s.seed}",
+        "variants": results,
+    }
+    return result | summarize(result, device.type)
 
 
 def _max_rel_diff(a: list[float], b: list[float]) -> float:
@@ -379,23 +207,6 @@ def summarize(result: dict, device_type: str = "cpu") -> dict:
 # ---------------------------------------------------------------------------------------- outputs
 
 
-def _mib(n: int | None) -> str:
-    return "–" if n is None else f"{n / MiB:,.1f}"
-
-
-def _x(r: float | None) -> str:
-    return "–" if r is None else f"{r:.3f}×"
-
-
-def _secs(t: float | None) -> str:
-    return "–" if t is None else f"{t:.3f}"
-
-
-def _training(result: dict) -> str:
-    """"LoRA r8" or "full" (results from before `--lora` were full fine-tuning)."""
-    return f"LoRA r{result['lora']}" if result.get("lora") else "full"
-
-
 def _walk_label(result: dict) -> str:
     return f"{result['walk']} walk" if result.get("walk") else "walk"
 
@@ -403,33 +214,55 @@ def _walk_label(result: dict) -> str:
 def title(result: dict) -> str:
     walk = f", {_walk_label(result)} in chunks of {result['ubatch']}" if result["path"] == "walk" else ""
     return (f"{result['model']}, ctx {result['ctx']}, batch {result['batch']}, path {result['path']}{walk}, "
-            f"{_training(result)}, {result['device']}")
+            f"{training(result)}, {result['device']}")
 
 
 def markdown(result: dict) -> str:
-    r, le, tg = result["ratios"], result["loss_equality"], result["targets"]
-    by = {v["variant"]: v for v in result["variants"]}
-    on_walk = all(n in by for n in WALK_VARIANTS)
-    versus = {"remat_on": ("vs remat_off", r["memory_on_over_off"], r["time_on_over_off"]),
-              "torch_checkpoint": ("vs eager", r["memory_checkpoint_over_eager"], r["time_checkpoint_over_eager"])}
+    r = result["ratios"]
     lines = [
         f"# remat bench: {title(result)}",
         "",
         (f"{result['steps']} steps per variant, interleaved; step time is the median wall time after the "
         f"first (warm-up) step; {result['data']}; torch {result['torch']}, {result['threads']} threads."),
         "",
-        ("| variant | loss | planned graph MiB | measured peak MiB | remat measured graph MiB | process peak MiB "
-         "| step s | memory ratio | time ratio |"),
-        "|---|---|---:|---:|---:|---:|---:|---|---|",
+        *_variant_table(result),
+        "",
+        (f"remat_on vs torch_checkpoint: memory {x(r['memory_on_over_checkpoint'])}, "
+        f"time {x(r['time_on_over_checkpoint'])}."),
     ]
+    if all(n in {v["variant"] for v in result["variants"]} for n in WALK_VARIANTS):
+        lines += [
+            "",
+            (f"remat_on ({_walk_label(result)}) vs remat_on_window: memory {x(r['memory_on_over_window_on'])}; "
+             f"vs remat_on_truncated: time {x(r['time_on_over_truncated'])}."),
+        ]
+    lines += [*_loss_lines(result), "",
+              "Targets: " + ", ".join(f"{k} {'met' if ok else 'NOT met'}" for k, ok in result["targets"].items()) + ".",
+              "", _measured_note(result)]
+    return "\n".join(lines) + "\n"
+
+
+def _variant_table(result: dict) -> list[str]:
+    r = result["ratios"]
+    versus = {"remat_on": ("vs remat_off", r["memory_on_over_off"], r["time_on_over_off"]),
+              "torch_checkpoint": ("vs eager", r["memory_checkpoint_over_eager"], r["time_checkpoint_over_eager"])}
+    lines = [("| variant | loss | planned graph MiB | measured peak MiB | remat measured graph MiB | process peak MiB "
+              "| step s | memory ratio | time ratio |"),
+             "|---|---|---:|---:|---:|---:|---:|---|---|"]
     for v in result["variants"]:
         name = v["variant"]
         against, mem, t = versus.get(name, ("", None, None))
-        lines.append(f"| {LABELS[name]} `{name}` | {v['loss']} | {_mib(v['planned_graph'])} "
-                     f"| {_mib(v['measured_peak'])} | {_mib(v['measured_graph'])} | {_mib(v.get('process_peak'))} "
-                     f"| {_secs(v['step_seconds'])} "
-                     f"| {_x(mem) + ' ' + against if mem is not None else '–'} "
-                     f"| {_x(t) + ' ' + against if t is not None else '–'} |")
+        lines.append(f"| {LABELS[name]} `{name}` | {v['loss']} | {mib(v['planned_graph'])} "
+                     f"| {mib(v['measured_peak'])} | {mib(v['measured_graph'])} | {mib(v.get('process_peak'))} "
+                     f"| {secs(v['step_seconds'])} "
+                     f"| {x(mem) + ' ' + against if mem is not None else '–'} "
+                     f"| {x(t) + ' ' + against if t is not None else '–'} |")
+    return lines
+
+
+def _loss_lines(result: dict) -> list[str]:
+    le = result["loss_equality"]
+    by = {v["variant"]: v for v in result["variants"]}
     verdict = "bitwise equal" if le["on_equals_off_bitwise"] else \
         f"NOT bitwise equal (max abs diff {le['on_vs_off_max_abs_diff']:.3g})"
     if result["path"] != "walk":
@@ -438,38 +271,21 @@ def markdown(result: dict) -> str:
         why = "the truncated walk's gradient treats earlier chunks' K/V as constants"
     else:
         why = "the exact walk: chunked loss and attention, the window's gradient"
-    lines += [
-        "",
-        (f"remat_on vs torch_checkpoint: memory {_x(r['memory_on_over_checkpoint'])}, "
-        f"time {_x(r['time_on_over_checkpoint'])}."),
-    ]
-    if on_walk:
-        lines += [
-            "",
-            (f"remat_on ({_walk_label(result)}) vs remat_on_window: memory {_x(r['memory_on_over_window_on'])}; "
-             f"vs remat_on_truncated: time {_x(r['time_on_over_truncated'])}."),
-        ]
-    lines += [
-        "",
-        (f"Losses: remat_on vs remat_off {verdict} over {len(by['remat_on']['losses'])} steps; "
-        f"torch_checkpoint vs eager max abs diff {le['checkpoint_vs_eager_max_abs_diff']:.3g} "
-        f"(remat_off vs eager {le['off_vs_eager_max_abs_diff']:.3g}: {why})."),
-    ]
-    if on_walk:
+    lines = ["", (f"Losses: remat_on vs remat_off {verdict} over {len(by['remat_on']['losses'])} steps; "
+                  f"torch_checkpoint vs eager max abs diff {le['checkpoint_vs_eager_max_abs_diff']:.3g} "
+                  f"(remat_off vs eager {le['off_vs_eager_max_abs_diff']:.3g}: {why}).")]
+    if all(n in by for n in WALK_VARIANTS):
         match = "within" if le["walk_losses_match_window"] else "NOT within"
-        lines += [
-            "",
-            (f"Walk vs window: remat_on ({_walk_label(result)}) vs remat_on_window max relative diff "
-             f"{le['walk_vs_window_max_rel_diff']:.3g} per step, {match} {WALK_LOSS_RTOL:g}. The truncated walk's "
-             f"first loss is the window's (the same forward), its later losses differ (max relative diff "
-             f"{le['truncated_vs_window_max_rel_diff']:.3g}): its gradient is another one (earlier chunks' K/V "
-             "are constants for a chunk's backward)."),
-        ]
-    lines += [
-        "",
-        "Targets: " + ", ".join(f"{k} {'met' if ok else 'NOT met'}" for k, ok in tg.items()) + ".",
-        "",
-        "Measured peak: bytes allocated above the step's start while forward and backward run (grads "
+        lines += ["", (f"Walk vs window: remat_on ({_walk_label(result)}) vs remat_on_window max relative diff "
+                       f"{le['walk_vs_window_max_rel_diff']:.3g} per step, {match} {WALK_LOSS_RTOL:g}. The truncated "
+                       f"walk's first loss is the window's (the same forward), its later losses differ (max relative "
+                       f"diff {le['truncated_vs_window_max_rel_diff']:.3g}): its gradient is another one (earlier "
+                       "chunks' K/V are constants for a chunk's backward).")]
+    return lines
+
+
+def _measured_note(result: dict) -> str:
+    return ("Measured peak: bytes allocated above the step's start while forward and backward run (grads "
         "included, optimizer not), the same way for all variants "
         + ("(profiler allocation events)" if result["device"] == "cpu" else "(`torch.cuda.max_memory_allocated`)")
         + "; planned graph: remat's plan of the graph alone (no grads)"
@@ -483,10 +299,8 @@ def markdown(result: dict) -> str:
         "also counts what the allocator does not (page rounding, the heap's fragments, non-tensor memory the "
         "step touches again). The heap is still shared: a step whose blocks land in the holes other variants "
         "left (returned, so counted again when touched) can read above what it takes in a process of its own."
-        + " C and D run the whole window eagerly with the unchunked loss, as Hugging Face users get it "
-        "(the attention is the same SDPA kernel remat traces).",
-    ]
-    return "\n".join(lines) + "\n"
+        " C and D run the whole window eagerly with the unchunked loss, as Hugging Face users get it "
+        "(the attention is the same SDPA kernel remat traces).")
 
 
 def plot(result: dict, dest: Path) -> bool:
@@ -536,6 +350,34 @@ def write_outputs(result: dict, out: Path, render: Callable[[dict], str] | None 
     return written
 
 
+def _summary_row(name: str, r: dict) -> tuple[str, str | None]:
+    """A run's row of the summary table, and its walk line (walk runs)."""
+    by = {v["variant"]: v for v in r["variants"]}
+    walk = None
+    ra, le, tg = r["ratios"], r["loss_equality"], r["targets"]
+    setting = f"{r['model']} ctx {r['ctx']} b{r['batch']} {r['path']}" + \
+        (f" {r['ubatch']}" + (f" {r['walk']}" if r.get("walk") else "") if r["path"] == "walk" else "") + \
+        f" {training(r)}"
+    if all(n in by for n in WALK_VARIANTS):
+        e, w = by["remat_on_truncated"], by["remat_on_window"]
+        walk = (
+            f"- [{name}]({name}/bench.md): E `remat_on_truncated` {mib(e['measured_peak'])} "
+            f"MiB, {secs(e['step_seconds'])} s; F `remat_on_window` {mib(w['measured_peak'])} MiB, "
+            f"{secs(w['step_seconds'])} s; mem B/F {x(ra.get('memory_on_over_window_on'))}, "
+            f"time B/E {x(ra.get('time_on_over_truncated'))}; B's losses match F's within {WALK_LOSS_RTOL:g}: "
+            f"{'yes' if le.get('walk_losses_match_window') else 'NO'}.")
+    row = (
+        f"| [{name}]({name}/bench.md) | {setting} "
+        + "".join(f"| {mib(by[n]['measured_peak'])} " for n in VARIANTS)
+        + "".join(f"| {secs(by[n]['step_seconds'])} " for n in VARIANTS)
+        + f"| {x(ra['memory_on_over_off'])} | {x(ra['memory_checkpoint_over_eager'])} "
+        f"| {x(ra['memory_on_over_checkpoint'])} | {x(ra['time_on_over_off'])} "
+        f"| {x(ra['time_checkpoint_over_eager'])} | {'yes' if le['on_equals_off_bitwise'] else 'NO'} "
+        f"| {sum(tg.values())}/{len(tg)} |"
+    )
+    return row, walk
+
+
 def write_summary(results_dir: str | Path) -> Path:
     """One table over every `*/bench.json` under `results_dir`, written to `results_dir/README.md`."""
     root = Path(results_dir)
@@ -544,28 +386,9 @@ def write_summary(results_dir: str | Path) -> Path:
         r = json.loads(f.read_text())
         if r.get("sweep"):  # a Pareto sweep (remat.bench.sweep): its own receipt, not this table's variants
             continue
-        by = {v["variant"]: v for v in r["variants"]}
-        ra, le, tg = r["ratios"], r["loss_equality"], r["targets"]
-        setting = f"{r['model']} ctx {r['ctx']} b{r['batch']} {r['path']}" + \
-            (f" {r['ubatch']}" + (f" {r['walk']}" if r.get("walk") else "") if r["path"] == "walk" else "") + \
-            f" {_training(r)}"
-        if all(n in by for n in WALK_VARIANTS):
-            e, w = by["remat_on_truncated"], by["remat_on_window"]
-            walks.append(
-                f"- [{f.parent.name}]({f.parent.name}/bench.md): E `remat_on_truncated` {_mib(e['measured_peak'])} "
-                f"MiB, {_secs(e['step_seconds'])} s; F `remat_on_window` {_mib(w['measured_peak'])} MiB, "
-                f"{_secs(w['step_seconds'])} s; mem B/F {_x(ra.get('memory_on_over_window_on'))}, "
-                f"time B/E {_x(ra.get('time_on_over_truncated'))}; B's losses match F's within {WALK_LOSS_RTOL:g}: "
-                f"{'yes' if le.get('walk_losses_match_window') else 'NO'}.")
-        rows.append(
-            f"| [{f.parent.name}]({f.parent.name}/bench.md) | {setting} "
-            + "".join(f"| {_mib(by[n]['measured_peak'])} " for n in VARIANTS)
-            + "".join(f"| {_secs(by[n]['step_seconds'])} " for n in VARIANTS)
-            + f"| {_x(ra['memory_on_over_off'])} | {_x(ra['memory_checkpoint_over_eager'])} "
-            f"| {_x(ra['memory_on_over_checkpoint'])} | {_x(ra['time_on_over_off'])} "
-            f"| {_x(ra['time_checkpoint_over_eager'])} | {'yes' if le['on_equals_off_bitwise'] else 'NO'} "
-            f"| {sum(tg.values())}/{len(tg)} |"
-        )
+        row, walk = _summary_row(f.parent.name, r)
+        rows.append(row)
+        walks += [walk] if walk else []
     first = json.loads(next(root.glob("*/bench.json")).read_text()) if rows else {}
     text = "\n".join([
         "# remat bench results",
@@ -608,9 +431,3 @@ def main(args: argparse.Namespace) -> int:
                        args.out, args.lr, walk=args.walk, lora=args.lora)
     print(json.dumps(result) if args.json else markdown(result) + f"\nwritten to {args.out}/")
     return 0
-
-
-if __name__ == "__main__":
-    from remat.cli import main as cli_main
-
-    sys.exit(cli_main(["bench", *sys.argv[1:]]))

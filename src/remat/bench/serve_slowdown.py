@@ -3,7 +3,7 @@
     python -m remat.bench.serve_slowdown                      # default model (embedded SmolLM2-135M), ~5 min
     python -m remat.bench.serve_slowdown --seconds 30 --model tiny-llama --out /tmp/slowdown
 
-Starts one real server (`python -m remat.serve.app`, `--parallel 2`) on a free 127.0.0.1 port with a
+Starts one real server (`python -m remat serve`, `--parallel 2`) on a free 127.0.0.1 port with a
 temporary state folder and warms it up. Then, for recompute off and on, it runs the phases
 baseline, training, baseline, training (B T B T, so that drift of a shared machine hits both):
 
@@ -37,6 +37,7 @@ import tempfile
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parents[3]  # the checkout: bench/results is written there
 TERMINAL = ("succeeded", "failed", "cancelled")
@@ -54,7 +55,7 @@ class Client:
     def __init__(self, port: int):
         self.port = port
 
-    def request(self, method: str, path: str, body=None, timeout: float = 300) -> tuple[int, object]:
+    def request(self, method: str, path: str, body=None, timeout: float = 300) -> tuple[int, Any]:
         conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=timeout)
         try:
             data = json.dumps(body).encode() if body is not None else None
@@ -79,7 +80,7 @@ def start_server(args: argparse.Namespace, state_dir: Path, log_path: Path,
                  src: Path = ROOT / "src") -> tuple[subprocess.Popen, Client]:
     """`remat serve` from the checkout whose sources are `src`, ready (its /health answers 200)."""
     port = free_port()
-    cmd = [sys.executable, "-m", "remat.serve.app", "--port", str(port), "--state-dir", str(state_dir),
+    cmd = [sys.executable, "-m", "remat", "serve", "--port", str(port), "--state-dir", str(state_dir),
            "--parallel", str(CONCURRENCY), "--max-slowdown-ppm", str(args.max_slowdown_ppm),
            "--threads", str(args.threads)]
     if args.model:
@@ -120,7 +121,7 @@ def prompts() -> list[str]:
 def decode_phase(client: Client, seconds: float, questions: list[str]) -> dict:
     """CONCURRENCY clients loop chat completions for `seconds`; pooled decode timings of the responses."""
     lock = threading.Lock()
-    tot = {"requests": 0, "tokens": 0, "predicted_ms": 0.0, "errors": 0, "rates": []}
+    tot: dict[str, Any] = {"requests": 0, "tokens": 0, "predicted_ms": 0.0, "errors": 0, "rates": []}
     counter = iter(range(10**9))
     t0 = time.monotonic()
     deadline = t0 + seconds
@@ -330,20 +331,8 @@ def markdown(res: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", help="model spec for the server (default: embedded SmolLM2-135M)")
-    p.add_argument("--seconds", type=float, default=20.0, help="seconds per phase (default 20)")
-    p.add_argument("--pairs", type=int, default=2, help="baseline/training pairs per mode (default 2)")
-    p.add_argument("--max-slowdown-ppm", type=int, default=50_000, help="the server's bound (default 50000)")
-    p.add_argument("--ctx", type=int, default=64, help="the training job's ctx (default 64)")
-    p.add_argument("--threads", type=int, default=1, help="the server's torch threads (default 1)")
-    p.add_argument("--out", default=str(ROOT / "bench" / "results" / "serve_slowdown"))
-    args = p.parse_args(argv)
-    sys.path.insert(0, str(ROOT / "src"))
-
-    started = time.monotonic()
-    load_start = [round(x, 2) for x in os.getloadavg()]
+def _measure(args: argparse.Namespace, started: float) -> tuple[list[dict], str, dict]:
+    """One server: decode alone and beside a training job, for each mode; its runs, model and final metrics."""
     tmp = Path(tempfile.mkdtemp(prefix="remat-slowdown-"))
     log_path = tmp / "server.log"
     proc = None
@@ -354,8 +343,7 @@ def main(argv: list[str] | None = None) -> int:
         records = corpus_records(8)
         decode_phase(client, min(5.0, args.seconds), questions)  # warm-up
         runs = [run_mode(client, recompute, args, questions, records) for recompute in (False, True)]
-        model = client.ok("GET", "/props")["model"]
-        final_metrics = metrics(client)
+        return runs, client.ok("GET", "/props")["model"], metrics(client)
     except BaseException:
         if log_path.exists():
             print(log_path.read_text()[-4000:], file=sys.stderr)
@@ -370,6 +358,22 @@ def main(argv: list[str] | None = None) -> int:
                 proc.wait()
         shutil.rmtree(tmp, ignore_errors=True)
 
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", help="model spec for the server (default: embedded SmolLM2-135M)")
+    p.add_argument("--seconds", type=float, default=20.0, help="seconds per phase (default 20)")
+    p.add_argument("--pairs", type=int, default=2, help="baseline/training pairs per mode (default 2)")
+    p.add_argument("--max-slowdown-ppm", type=int, default=50_000, help="the server's bound (default 50000)")
+    p.add_argument("--ctx", type=int, default=64, help="the training job's ctx (default 64)")
+    p.add_argument("--threads", type=int, default=1, help="the server's torch threads (default 1)")
+    p.add_argument("--out", default=str(ROOT / "bench" / "results" / "serve_slowdown"))
+    args = p.parse_args(argv)
+    sys.path.insert(0, str(ROOT / "src"))
+
+    started = time.monotonic()
+    load_start = [round(x, 2) for x in os.getloadavg()]
+    runs, model, final_metrics = _measure(args, started)
     bound = args.max_slowdown_ppm
     res = {
         "model": model,

@@ -2,8 +2,8 @@
 
 Compared on one model and one window shape (the window path), side by side in one process:
 
-- remat's named recompute policies `off`, `dots`, `layer` (= `on`), `every:2`, `every:4` (`step.build`);
-- remat's budget mode (`step.choose(model, shape, "budget", b)`) at `BUDGET_POINTS` budgets evenly from the
+- remat's named recompute policies `off`, `dots`, `layer` (= `on`), `every:2`, `every:4` (`Planner.build`);
+- remat's budget mode (`Planner.choose(shape, "budget", b)`) at `BUDGET_POINTS` budgets evenly from the
   smallest named plan's total up to off's (off excluded), plus the budget halfway between layer and off;
 - PyTorch's per-decoder-layer `torch.utils.checkpoint` on the Hugging Face model (`bench`'s
   `torch_checkpoint`: eager, unchunked loss, as HF users get it);
@@ -43,30 +43,24 @@ import torch
 from torch import nn
 
 from remat.base.settings import GateRefused, MiB, TrainSettings, UsageError
-from remat.bench import compare as bench
-from remat.bench.compare import (
+from remat.bench.common import (
     Variant,
-    _eager_variant,
-    _mib,
-    _remat_variant,
-    _secs,
-    _sync,
-    _training,
-    _x,
+    eager_variant,
     peak_during,
     random_batches,
+    remat_variant,
+    sync,
 )
+from remat.bench.sweep_report import GRAPH_TARGET, TIME_TARGET_HALFWAY, markdown, write_outputs
 from remat.core.graph import StepInputs
 from remat.core.plan import Plan
 from remat.models import adapters
 from remat.models import load as models
 from remat.models.hf import causal_lm_loss, prepare
-from remat.training import step
+from remat.training.step import Planner, StepShape, policy_name
 
 NAMED = ("off", "dots", "layer", "every:2", "every:4")
 BUDGET_POINTS = 6  # evenly from the smallest plan's total to off's, off excluded (plus layer/off halfway)
-TIME_TARGET_HALFWAY = 1.05  # (a) at the budget halfway between layer and off: step time <= 1.05 x off
-GRAPH_TARGET = 0.6  # (b) every:4 (or the smallest budget point) plans <= 0.6 x layer's graph
 AOT_FULL = 1.0  # AOTAutograd's default partition
 
 
@@ -80,7 +74,7 @@ class Entry:
     variant: Variant
     kind: str  # "remat", "remat_budget", "torch_checkpoint" or "aot"
     policy: str | None = None  # remat: the policy that runs (budget mode: the one it chose)
-    budget: int | None = None  # remat_budget: the budget given to `step.choose`, bytes
+    budget: int | None = None  # remat_budget: the budget given to `Planner.choose`, bytes
     plan: Plan | None = None  # remat: the policy's plan
     aot_budget: float | None = None  # aot: activation_memory_budget
     compile_seconds: float | None = None
@@ -127,20 +121,20 @@ def aot_budgets(chosen: Sequence[Plan], off: Plan) -> list[float]:
 def _remat_entries(model: nn.Module, s: TrainSettings, plans: dict[str, Plan], budgets: Sequence[int],
                    say: Callable[[str], None]) -> tuple[list[Entry], list[dict]]:
     """The named policies, then budget mode at each budget; budgets the gate refuses are listed apart."""
-    shape = step.StepShape.of(s)
-    entries = [Entry(_remat_variant(name, model, s, name), "remat",
-                     policy=step.policy_name(name), plan=plans[name]) for name in NAMED]
+    shape, planner = StepShape.of(s), Planner(model)
+    entries = [Entry(remat_variant(name, model, s, name), "remat",
+                     policy=policy_name(name), plan=plans[name]) for name in NAMED]
     refused = []
     for b in budgets:
         name = budget_name(b, plans)
         try:
-            choice = step.choose(model, shape, "budget", b)
+            choice = planner.choose(shape, "budget", b)
         except GateRefused as e:
             say(f"{name} ({b / MiB:,.1f} MiB): refused by the gate")
             refused.append({"variant": name, "budget": b, "reason": str(e)})
             continue
         say(f"{name} ({b / MiB:,.1f} MiB): budget mode chose {choice.policy}, plan {choice.plan.total / MiB:,.1f} MiB")
-        v = _remat_variant(name, model, s, choice.policy)
+        v = remat_variant(name, model, s, choice.policy, planner)
         entries.append(Entry(v, "remat_budget", policy=choice.policy, budget=b, plan=choice.plan))
     return entries, refused
 
@@ -201,7 +195,7 @@ def _one_step(e: Entry, batch: tuple[torch.Tensor, torch.Tensor], device: torch.
         loss, v.measured_peak = peak_during(functools.partial(v.step, *batch), device)
     else:
         loss = v.step(*batch)
-    _sync(device)
+    sync(device)
     v.seconds.append(time.perf_counter() - t0)
     v.losses.append(loss)
     return loss
@@ -290,11 +284,11 @@ def run_sweep(model: str | None, ctx: int, batch: int = 1, steps: int = 3,
     data = [(ids.to(device), labels.to(device)) for ids, labels in random_batches(vocab, batch, ctx, steps, seed)]
     with contextlib.nullcontext() if device.type == "cpu" else torch.device(device):
         t0 = time.perf_counter()
-        plans = step.plans(base, step.StepShape.of(s), NAMED)
+        plans = Planner(base).plans(StepShape.of(s), NAMED)
         budgets = budget_points(plans, budget_points_n)
         entries, refused = _remat_entries(base, s, plans, budgets, say)
         say(f"planned in {time.perf_counter() - t0:.1f} s")
-        entries.append(Entry(_eager_variant("torch_checkpoint", ckpt, True), "torch_checkpoint"))
+        entries.append(Entry(eager_variant("torch_checkpoint", ckpt, True), "torch_checkpoint"))
         chosen = [e.plan for e in entries if e.kind == "remat_budget" and e.plan is not None]
         entries += [_aot_entry(base, x, loss_chunk, data[0]) for x in aot_budgets(chosen, plans["off"])]
         say(f"{loaded.name}, ctx {ctx}, batch {batch}, {len(entries)} variants, {steps} rounds on {device.type}")
@@ -391,139 +385,6 @@ def summarize(result: dict) -> dict:
 
 
 # ---------------------------------------------------------------------------------------- outputs
-
-
-def title(result: dict) -> str:
-    return f"{result['model']}, ctx {result['ctx']}, batch {result['batch']}, {_training(result)}, {result['device']}"
-
-
-def _table(result: dict) -> list[str]:
-    lines = ["| variant | kind | policy | budget MiB | planned total MiB | planned graph MiB | measured graph MiB "
-             "| measured peak MiB | step s med | step s min | time / off (median) | time / off (min) | loss == off |",
-             "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
-    for v in result["variants"]:
-        same = "bitwise" if v["losses_equal_off_bitwise"] else f"max diff {v['loss_max_abs_diff_vs_off']:.3g}"
-        lines.append(f"| `{v['variant']}` | {v['kind']} | {v['policy'] or '–'} | {_mib(v['budget'])} "
-                     f"| {_mib(v['planned_total'])} | {_mib(v['planned_graph'])} | {_mib(v['measured_graph'])} "
-                     f"| {_mib(v['measured_peak'])} | {_secs(v['step_seconds'])} | {_secs(v['step_seconds_min'])} "
-                     f"| {_x(v['time_ratio'])} | {_x(v['time_ratio_min'])} | {same} |")
-    return lines
-
-
-def _target_lines(result: dict) -> list[str]:
-    by = {v["variant"]: v for v in result["variants"]}
-    tg, half = result["targets"], by.get(result["halfway"] or "")
-
-    def verdict(key: str) -> str:
-        return "**met**" if tg[key] else "**NOT met**"
-
-    graphs = ", ".join(f"{n} {r:.3f}×" for n, r in result["graph_over_layer"].items())
-    lines = [
-        "## Targets, as measured",
-        "",
-        (f"- (a) at the budget halfway between `layer` and `off` ({_mib(half and half['budget'])} MiB, "
-         f"`{result['halfway']}`, chose `{half and half['policy']}`) step time ≤ {TIME_TARGET_HALFWAY} × off: "
-         f"{_x(half and half['time_ratio'])}, {verdict('a_halfway_time_le_1.05')}."),
-        (f"- (b) `every:4` (or the smallest budget point) plans ≤ {GRAPH_TARGET} × `layer`'s graph: {graphs}, "
-         f"{verdict('b_graph_le_0.6_layer')}."),
-        ("- (c) at every AOT budget remat is no slower than AOTAutograd at the same measured memory (remat's "
-         "fastest point with measured peak ≤ AOT's; beside it, remat's frontier interpolated at AOT's peak, for "
-         f"reference): {verdict('c_remat_no_slower_than_aot')}."),
-    ]
-    for r in result["versus_aot"]:
-        remat = (f"`{r['remat']}` {_mib(r['remat_peak'])} MiB, {_x(r['remat_time_ratio'])}" if r["remat"]
-                 else "no remat point at or below that memory")
-        lines.append(f"  - `{r['aot']}` {_mib(r['aot_peak'])} MiB, {_x(r['aot_time_ratio'])} vs {remat} "
-                     f"(interpolated {_x(r['remat_interpolated_time_ratio'])}): {'met' if r['met'] else 'NOT met'}")
-    lines.append(f"- remat's losses equal off's bitwise, every variant and step: "
-                 f"{verdict('remat_losses_equal_off_bitwise')} (grads bitwise too: "
-                 f"{'yes' if result['loss_equality']['remat_grads_equal_off_bitwise'] else 'NO'}).")
-    return lines
-
-
-def markdown(result: dict) -> str:
-    refused = [f"`{r['variant']}` ({_mib(r['budget'])} MiB)" for r in result["refused"]]
-    lines = [
-        f"# remat bench --sweep: {title(result)}",
-        "",
-        (f"{result['steps']} rounds, round-robin over the variants (off first); round 0 is the warm-up and the "
-         f"measured step, the rest are timed; time / off (median), which the targets use, is the median over timed "
-         f"rounds of the step's time over off's in the same round; time / off (min) is the fastest timed step over "
-         f"off's fastest. Step = forward + backward with grads, no optimizer step (all variants read "
-         f"the same weights). {result['data']}; torch {result['torch']}, {result['threads']} threads."),
-        "",
-        *_table(result),
-        "",
-        f"remat's Pareto frontier (measured peak vs time): {', '.join(f'`{n}`' for n in result['frontier'])}.",
-        *(["", f"Budgets the gate refused: {', '.join(refused)}."] if refused else []),
-        "",
-        *_target_lines(result),
-        "",
-        ("Measured peak: bytes allocated above the step's start while forward and backward run (grads included), "
-         "the same way for all variants "
-         + ("(profiler allocation events)" if result["device"] == "cpu" else "(`torch.cuda.max_memory_allocated`)")
-         + "; planned: remat's plan (total: what the gate holds against a budget, `remat.core.plan`; graph: the graph "
-         "alone, no grads). "
-         "`budget@f`: budget mode at a budget a fraction f of the way from the smallest named plan's total to "
-         "off's; `budget@half`: halfway between layer's total and off's. `aot@x`: "
-         "`torch.compile(backend=\"aot_eager\")` of remat's loss function (same loss chunks) with "
-         "`activation_memory_budget` x (matching a budget point: the share of off's planned graph that budget "
-         "mode's choice plans; 1.0 is AOT's default partition), autograd's backward. `torch_checkpoint`: the HF "
-         "model, per-layer `torch.utils.checkpoint`, unchunked loss."),
-    ]
-    return "\n".join(lines) + "\n"
-
-
-def _label_offsets(points: list[dict]) -> list[int]:
-    """Vertical label offsets, in points: a label near earlier ones (close in memory and time) goes below them."""
-    xs, ys = [v["measured_peak"] for v in points], [v["time_ratio"] for v in points]
-    dx, dy = 0.03 * (max(xs) - min(xs) or 1), 0.03 * (max(ys) - min(ys) or 1)
-    offsets = []
-    for i in range(len(points)):
-        near = sum(abs(xs[i] - xs[j]) < dx and abs(ys[i] - ys[j]) < dy for j in range(i))
-        offsets.append(4 - 9 * near)
-    return offsets
-
-
-def plot(result: dict, dest: Path) -> bool:
-    """Measured peak vs time ratio to off, every point labelled; False when matplotlib is missing."""
-    try:
-        import matplotlib
-    except ImportError:
-        return False
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    style = {"remat": ("tab:blue", "o", "remat policy"), "remat_budget": ("tab:green", "s", "remat budget mode"),
-             "torch_checkpoint": ("tab:orange", "^", "torch per-layer checkpoint"),
-             "aot": ("tab:red", "D", "AOTAutograd activation_memory_budget")}
-    fig, ax = plt.subplots(figsize=(8, 5.2), dpi=120)
-    for kind, (color, marker, label) in style.items():
-        pts = [v for v in result["variants"] if v["kind"] == kind]
-        if pts:
-            ax.scatter([v["measured_peak"] / MiB for v in pts], [v["time_ratio"] for v in pts], s=55, color=color,
-                       marker=marker, zorder=3, label=label)
-    for v, dy in zip(result["variants"], _label_offsets(result["variants"])):
-        ax.annotate(v["variant"], (v["measured_peak"] / MiB, v["time_ratio"]), textcoords="offset points",
-                    xytext=(5, dy), fontsize=7, color=style[v["kind"]][0])
-    by = {v["variant"]: v for v in result["variants"]}
-    front = [by[n] for n in result["frontier"]]
-    ax.step([v["measured_peak"] / MiB for v in front], [v["time_ratio"] for v in front], where="post",
-            color="tab:blue", alpha=0.4, linestyle="--", label="remat frontier")
-    ax.axhline(1.0, color="gray", linewidth=0.8)
-    ax.set_xlabel("measured peak, MiB (forward + backward, grads included)")
-    ax.set_ylabel("step time / off (median over rounds)")
-    ax.set_title(f"remat bench --sweep: {title(result)}", fontsize=9)
-    ax.grid(True, alpha=0.3)
-    ax.legend(loc="upper right", fontsize=8, framealpha=0.9)
-    fig.tight_layout()
-    fig.savefig(dest, format="png")
-    plt.close(fig)
-    return True
-
-
-def write_outputs(result: dict, out: Path) -> list[str]:
-    return bench.write_outputs(result, out, markdown, plot)
 
 
 def main(args: argparse.Namespace) -> int:

@@ -4,7 +4,7 @@
     python -m remat.bench.train_answer --before HEAD~3 --out /tmp/train-answer
 
 The gate's answer (plans, policy, or a refusal with figures) comes before any training, so every `POST /train`
-of a shape not planned yet traces and plans it first. This starts one real server (`python -m remat.serve.app`,
+of a shape not planned yet traces and plans it first. This starts one real server (`python -m remat serve`,
 the embedded SmolLM2-135M) from a git worktree of `--before` and one from `--after` (default HEAD), both
 running at once, idle but for this, and waits `--settle` seconds once both are up. Then it asks each for
 `POST /train/plan` (what `POST /train` answers, less the queued job: the same validation, plan and gate) in
@@ -28,6 +28,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 from serve_slowdown import CONCURRENCY, Client, corpus_records, start_server
 
@@ -52,7 +53,7 @@ def requests() -> list[tuple[str, dict]]:
             + [("repeated shape, LoRA", {"ctx": c}) for c in REPEATED])
 
 
-def ask(client: Client, body: dict) -> tuple[float, int, object]:
+def ask(client: Client, body: dict) -> tuple[float, int, Any]:
     start = time.monotonic()
     status, answer = client.request("POST", "/train/plan", body)
     return round(time.monotonic() - start, 3), status, answer

@@ -8,72 +8,34 @@ backward starts; it is read off the tracer at that moment, not guessed later.
 
 from __future__ import annotations
 
-import functools
-import linecache
 import operator
-import traceback
 import weakref
-from collections.abc import Callable
-from pathlib import Path
-from typing import ClassVar, NamedTuple
+from collections.abc import Callable, Sequence
+from typing import ClassVar, NamedTuple, cast
 
 import torch
 from torch import fx, nn
-from torch._subclasses.fake_tensor import (
-    DataDependentOutputException,
-    DynamicOutputShapeException,
-    FakeTensor,
-    FakeTensorMode,
-)
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.fx._lazy_graph_module import _use_lazy_graph_module
-from torch.fx.experimental.proxy_tensor import make_fx
+from torch.fx.experimental.proxy_tensor import get_proxy_mode, make_fx
 from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
-from remat.core.graph import StepInputs, TrainGraph, laid_out_on, tensors_in
-from remat.fastplan import record
-from remat.models import delta_rule
-from remat.models.hf import UnsupportedModel, causal_lm, causal_lm_loss, prepare
-
-_traces = {"count": 0}  # traces made in this process: an epoch must not trace more than once
+from remat.core.graph import StepInputs, TrainGraph, Workspaces, laid_out_on, tensors_in
 
 
-def trace_count() -> int:
-    return _traces["count"]
+class Unrecordable(Exception):
+    """A recorder (`trace`'s `recorder`) cannot follow this step: make_fx traces it instead."""
 
 
-def capture(model: nn.Module, input_ids: torch.Tensor, labels: torch.Tensor, *,
-            loss_chunk: int = 0) -> TrainGraph:
-    """Trace the train step of `model` on a batch of this shape into a TrainGraph.
-
-    Nothing of the step is computed: tracing runs on FakeTensors, and each node's
-    `meta["val"]` carries shape, dtype, strides and storage for the planner.
-    """
-    try:
-        return trace(model, functools.partial(causal_lm_loss, loss_chunk=loss_chunk),
-                     {"input_ids": ("input", input_ids), "labels": ("input", labels)},
-                     info={"shape": tuple(input_ids.shape), "loss_chunk": loss_chunk})
-    except (DataDependentOutputException, DynamicOutputShapeException) as e:
-        raise UnsupportedModel(reads_values(model, e)) from None
-
-
-def reads_values(model: nn.Module, e: BaseException) -> str:
-    """The refusal for a model whose forward reads tensor values to decide what it computes (a Python list of
-    sizes, a data-dependent shape: JetMoE's routing), which a traced step, on values-free tensors, cannot follow.
-    It names the model's own code: the innermost frame of the traceback outside torch and remat."""
-    where, skip = "its forward", (Path(torch.__file__).parent, Path(__file__).parent)
-    for frame, lineno in traceback.walk_tb(e.__traceback__):
-        path = Path(frame.f_code.co_filename)
-        if not any(path.is_relative_to(d) for d in skip):
-            owner = frame.f_locals.get("self")
-            line = linecache.getline(str(path), lineno).strip()[:100]
-            where = f"{type(owner).__name__ if owner is not None else path.stem} (`{line}`, {path.name}:{lineno})"
-    name = getattr(getattr(causal_lm(model), "config", None), "model_type", type(model).__name__)
-    return (f"{name}: {where} reads tensor values to decide what it computes (data-dependent), which a traced "
-            "step cannot follow")
+# A faster tracer for a step that is only planned (fake weights): `fn(*args)` recorded as make_fx would record it,
+# or Unrecordable. The recorder's dispatch mode answers `last_node()` while it records.
+Recorder = Callable[[Callable[..., tuple], Sequence[torch.Tensor]], fx.GraphModule]
 
 
 def trace(model: nn.Module, loss_fn, inputs: dict[str, tuple[str, torch.Tensor]], *,
-          info: dict | None = None, accumulate: bool = False) -> TrainGraph:
+          info: dict | None = None, accumulate: bool = False, recorder: Recorder | None = None,
+          workspaces: Workspaces | None = None) -> TrainGraph:
     """Trace `loss_fn(model, *inputs)` and the grads of the trainable parameters into a TrainGraph.
 
     `inputs` maps a name to (role, example tensor): "input" for batch data, "state" for
@@ -83,10 +45,11 @@ def trace(model: nn.Module, loss_fn, inputs: dict[str, tuple[str, torch.Tensor]]
     steps before (the walk's chunks): the step adds each gradient into it as the backward makes it
     and returns these sums as its grads, so no second set of grads is ever alive.
 
-    A model with fake weights (planned only, never run) is recorded by `remat.fastplan.record`, any other traced by
-    make_fx: the same graph (`tests/test_record.py`).
+    A model with fake weights (planned only, never run) is recorded by `recorder` where one is given (the same
+    graph as make_fx's, faster: `remat.fastplan.record`), any other traced by make_fx. `workspaces` names the ops
+    of the step that hold memory inside beyond their outputs; the graph carries them to the planner. Preparing
+    the model (its marks, its attention) is the caller's.
     """
-    prepare(model)
     tensors = StepInputs.of(model)
     if not tensors.trainable:
         raise ValueError("the model has no trainable parameters")
@@ -106,7 +69,7 @@ def trace(model: nn.Module, loss_fn, inputs: dict[str, tuple[str, torch.Tensor]]
             state = {f"model.{k}": v for k, v in zip(model_names, args[:n_model])}
             out = torch.func.functional_call(_LossModule(model, loss_fn), state, args[n_model:n_model + n_in])
             seeded = out if isinstance(out, Seeded) else Seeded(out)
-            boundary.append(record.last_node())  # the forward's last node
+            boundary.append(_last_node())  # the forward's last node
             grads = torch.autograd.grad([seeded.loss, *seeded.outputs], [*args[:n_train], *seeded.sinks],
                                         grad_outputs=[None, *seeded.cotangents], allow_unused=True,
                                         materialize_grads=True)
@@ -115,36 +78,50 @@ def trace(model: nn.Module, loss_fn, inputs: dict[str, tuple[str, torch.Tensor]]
                 hook.remove()
         return (seeded.loss, *(sums or grads[:n_train]))
 
-    example = tensors.args(*(t for _, t in inputs.values()))
-    if len({id(t) for t in example}) != len(example):
-        raise ValueError("each input must be its own tensor (make_fx merges repeated inputs)")
-    # a model built under a fake mode (planning without weights) brings its own
-    mode = next((t.fake_mode for t in example if isinstance(t, FakeTensor)), None)
-    planned_only = mode is not None
-    mode = mode or EagerStridesFakeMode(allow_non_fake_inputs=True)
-    example = [t if isinstance(t, FakeTensor) else mode.from_tensor(t) for t in example]
-    with mode:
-        example += [torch.zeros_like(t) for t in example[:len(sum_names)]]
+    example, planned_only = _fake_inputs(tensors.args(*(t for _, t in inputs.values())), len(sum_names))
     # a lazy module makes its Python code on its first call: a trace that is only planned never pays for it
-    with torch.enable_grad(), mode, delta_rule.swapped(model), _use_lazy_graph_module(True):
-        gm = _recorded(step, example) if planned_only else None
+    with torch.enable_grad(), cast(FakeTensor, example[0]).fake_mode, _use_lazy_graph_module(True):
+        gm = _recorded(recorder, step, example) if planned_only and recorder is not None else None
         if gm is None:
             del boundary[:]
             # The torch-function metadata mode only names each node's torch call in its meta (read by nothing
             # here), and intercepting every call cost 7 % of a trace.
             gm = make_fx(step, _disable_torch_fn_metadata_mode=True)(*example)
-    _traces["count"] += 1
     sum_in_place(gm, boundary[0])
     return TrainGraph(gm=gm, roles=roles, names=[*model_names, *inputs, *sum_names], boundary=boundary[0],
-                      info=info or {})
+                      info=info or {}, workspaces=workspaces or {})
 
 
-def _recorded(step: Callable, example: list[torch.Tensor]) -> fx.GraphModule | None:
-    """The step recorded (`remat.fastplan.record`), or None where the recorder cannot follow it."""
+def _fake_inputs(example: list[torch.Tensor], sums: int) -> tuple[list[torch.Tensor], bool]:
+    """The step's arguments as fake tensors, the first `sums` again as zeroed gradient sums at the end; and
+    whether the model was built under a fake mode (planned only: its tensors bring their mode)."""
+    if len({id(t) for t in example}) != len(example):
+        raise ValueError("each input must be its own tensor (make_fx merges repeated inputs)")
+    mode = next((t.fake_mode for t in example if isinstance(t, FakeTensor)), None)
+    planned_only = mode is not None
+    mode = mode or EagerStridesFakeMode(allow_non_fake_inputs=True)
+    fakes: list[torch.Tensor] = [t if isinstance(t, FakeTensor) else mode.from_tensor(t) for t in example]
+    with mode:
+        fakes += [torch.zeros_like(t) for t in fakes[:sums]]
+    return fakes, planned_only
+
+
+def _recorded(recorder: Recorder, step: Callable, example: list[torch.Tensor]) -> fx.GraphModule | None:
+    """The step recorded, or None where the recorder cannot follow it."""
     try:
-        return record.record(step, example)
-    except record.Unrecordable:
+        return recorder(step, example)
+    except Unrecordable:
         return None
+
+
+def _last_node() -> fx.Node:
+    """The node recorded last by the tracer running: a recorder's mode, or make_fx's."""
+    mode = next((m for m in _get_current_dispatch_mode_stack() if hasattr(m, "last_node")), None)
+    if mode is not None:
+        return mode.last_node()
+    proxy = get_proxy_mode()
+    assert proxy is not None, "called while a step is traced"
+    return next(reversed(proxy.tracer.graph.nodes))
 
 
 def sum_in_place(gm: fx.GraphModule, boundary: fx.Node) -> int:

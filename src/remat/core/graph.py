@@ -6,7 +6,7 @@ order, one role each (see docs/architecture.md, "The TrainGraph contract").
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -57,6 +57,12 @@ def copy_node(graph: fx.Graph, node: fx.Node, read: Callable[[fx.Node], Any]) ->
     return copied
 
 
+# Ops that hold memory inside beyond their outputs while they run (a backward that recomputes its forward:
+# `remat.models.delta_rule`): op -> the bytes it holds at its peak beyond its outputs, from the node's fake values.
+# The tracer of a step that swaps such ops in hands them over (`capture.trace`); the planner adds them at the node.
+Workspaces = Mapping[object, Callable[[fx.Node], int]]
+
+
 @dataclass
 class TrainGraph:
     """A traced train step: `gm(*trainable, *frozen, *buffers, *inputs) -> (loss, *grads)`."""
@@ -66,6 +72,12 @@ class TrainGraph:
     names: list[str]  # one per placeholder: parameter / buffer / input name
     boundary: fx.Node  # the last forward node
     info: dict = field(default_factory=dict)  # options the graph was traced with
+    workspaces: Workspaces = field(default_factory=dict)  # its ops' memory held inside (planned at their nodes)
+
+    def workspace(self, node: fx.Node) -> int:
+        """What `node` holds while it runs beyond its value."""
+        fn = self.workspaces.get(node.target) if node.op == "call_function" else None
+        return fn(node) if fn is not None else 0
 
     @property
     def graph(self) -> fx.Graph:

@@ -16,9 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-import ctypes
-import functools
-import gc
+import dataclasses
 from collections.abc import Callable, Hashable, Iterator, Sequence, Set
 from dataclasses import asdict, dataclass
 
@@ -57,17 +55,6 @@ class Plan:
 
 Lives = dict[Hashable, tuple[int, int, int]]  # storage -> (position of its maker, bytes, position it is freed after)
 
-# Ops that hold memory inside beyond their outputs while they run (a backward that recomputes its forward:
-# `remat.models.delta_rule`): op -> the bytes it holds at its peak beyond its outputs, from the node's fake values.
-# The planner adds them at the node, alive for that node only; `measure` tracks the real ones (`held_inside`).
-WORKSPACE: dict[object, Callable[[fx.Node], int]] = {}
-
-
-def workspace(node: fx.Node) -> int:
-    fn = WORKSPACE.get(node.target) if node.op == "call_function" else None
-    return fn(node) if fn is not None else 0
-
-
 def value_bytes(value: object) -> int:
     """The bytes of the storages a value holds, each once."""
     return sum({StorageWeakRef(t.untyped_storage()): t.untyped_storage().nbytes() for t in tensors_in(value)}.values())
@@ -103,7 +90,7 @@ _WATCHING: contextvars.ContextVar[list[int] | None] = contextvars.ContextVar("re
 
 @contextlib.contextmanager
 def watching(peaks: list[int]) -> Iterator[None]:
-    """Ops that hold memory inside (`WORKSPACE`) append their internal peaks to `peaks` while this is on."""
+    """Ops that hold memory inside (`TrainGraph.workspaces`) append their internal peaks to `peaks` while this is on."""
     token = _WATCHING.set(peaks)
     try:
         yield
@@ -133,7 +120,7 @@ def sized_storages(node: fx.Node) -> list[tuple[StorageWeakRef, int]]:
             for t in tensors_in(node.meta.get("val"))]
 
 
-def _storages(node: fx.Node) -> list[StorageWeakRef]:
+def storages_of(node: fx.Node) -> list[StorageWeakRef]:
     return [s for s, _ in sized_storages(node)]
 
 
@@ -165,42 +152,11 @@ def _lifetimes(tg: TrainGraph) -> tuple[list[fx.Node], Lives, set]:
     inputs = {s for n in nodes if n.op == "placeholder" for s, _ in held[pos[n]]}
     outputs = {s for n in _output_nodes(tg.graph) for s, _ in held[pos[n]]} - inputs
     last_read = [max([i] + [pos[u] for u in n.users]) for i, n in enumerate(nodes)]
-    return nodes, lives(held, last_read, inputs, outputs, [workspace(n) for n in nodes]), outputs
-
-
-def live_at_peak(tg: TrainGraph, outputs: bool = False) -> tuple[int, fx.Node | None, list[tuple[fx.Node, int]]]:
-    """The peak of graph-allocated bytes (with `outputs`, and the outputs made so far), the node where it is
-    reached, and what is live then."""
-    nodes, life, kept = _lifetimes(tg)
-    peak, at, live = _sweep(len(nodes), life, frozenset() if outputs else kept)
-    return peak, None if at is None else nodes[at], [(nodes[maker], size) for maker, size in live]
-
-
-def _sweep(count: int, life: Lives, skip: Set) -> tuple[int, int | None, list[tuple[int, int]]]:
-    """The peak of live bytes over `count` positions, where it is, and what is live then (maker, bytes)."""
-    made_at: dict[int, list[Hashable]] = {}
-    frees_at: dict[int, list[Hashable]] = {}
-    for s, (maker, _, end) in life.items():
-        if s not in skip:
-            made_at.setdefault(maker, []).append(s)
-            frees_at.setdefault(end, []).append(s)
-    live: set[Hashable] = set()
-    total = peak = 0
-    peak_at, peak_set = None, set()
-    for i in range(count):
-        for s in made_at.get(i, ()):
-            live.add(s)
-            total += life[s][1]
-        if total > peak:
-            peak, peak_at, peak_set = total, i, set(live)
-        for s in frees_at.get(i, ()):
-            live.discard(s)
-            total -= life[s][1]
-    return peak, peak_at, sorted(((life[s][0], life[s][1]) for s in peak_set), key=lambda x: -x[1])
+    return nodes, lives(held, last_read, inputs, outputs, [tg.workspace(n) for n in nodes]), outputs
 
 
 def _peaks(count: int, life: Lives, outputs: Set) -> tuple[int, int]:
-    """`_sweep`'s peak without the `outputs` (`graph`) and with them (`step`), in one pass that does not keep
+    """The peak of live bytes without the `outputs` (`graph`) and with them (`step`), in one pass that does not keep
     what is live: a plan needs only the two figures."""
     made, freed = [0] * (count + 1), [0] * (count + 1)  # all storages' bytes, made and freed at each position
     made_out, freed_out = [0] * (count + 1), [0] * (count + 1)  # the outputs' alone
@@ -220,15 +176,10 @@ def _peaks(count: int, life: Lives, outputs: Set) -> tuple[int, int]:
     return graph, step
 
 
-def graph_peak(tg: TrainGraph) -> int:
-    """Peak live bytes of graph-allocated storages over the node order."""
-    return live_at_peak(tg)[0]
-
-
 def _made_grads(tg: TrainGraph) -> int:
     """Bytes of the step's grads (its outputs after the loss) that the graph allocates; the rest alias its
     inputs (a walk's grad sums)."""
-    inputs = {s for n in tg.placeholders() for s in _storages(n)}
+    inputs = {s for n in tg.placeholders() for s in storages_of(n)}
     made = {s: size for n in _output_nodes(tg.graph)[1:] for s, size in sized_storages(n) if s not in inputs}
     return sum(made.values())
 
@@ -261,7 +212,7 @@ def planned(inputs: Sequence[tuple[str, object]], made_grads: int, order: Order,
         params=params,
         frozen=role_bytes("frozen", "buffer"),
         grads=params,
-        optimizer=2 * 4 * max(zero_shards([t.numel() for t in trainable], _WORLD.get())),
+        optimizer=2 * 4 * sum(t.numel() for t in trainable),
         graph=graph,
         cache=role_bytes("state") + info.get("saved_states", 0),
         step=step + max(0, params - made_grads),  # with the grads held before the step starts (a walk's sums)
@@ -275,8 +226,10 @@ class Storages:
     original's storages, or new ones of the same sizes (`new`: a value made again by the same op); where the
     original holds an input's storage (a view, an in-place write), the copy holds that input's copy's instead."""
 
-    def __init__(self, storages: Callable[[fx.Node], Sequence[tuple[Hashable, int]]], templates: dict | None = None):
+    def __init__(self, storages: Callable[[fx.Node], Sequence[tuple[Hashable, int]]],
+                 workspace: Callable[[fx.Node], int], templates: dict | None = None):
         self.storages = storages  # an original node's, in the order its value holds them
+        self.workspace = workspace  # an original node's (`TrainGraph.workspace`)
         self.held: list[list[tuple[Hashable, int]]] = []
         self.last_read: list[int] = []
         self.inside: list[int] = []  # what each node holds while it runs beyond its value (`workspace`)
@@ -311,7 +264,8 @@ class Storages:
         same for every copy of it."""
         if n not in self.templates:
             where = {s: (k, j) for k, a in enumerate(n.all_input_nodes) for j, (s, _) in enumerate(self.storages(a))}
-            self.templates[n] = [(s, size, *where.get(s, (-1, -1))) for s, size in self.storages(n)], workspace(n)
+            own = [(s, size, *where.get(s, (-1, -1))) for s, size in self.storages(n)]
+            self.templates[n] = own, self.workspace(n)
         return self.templates[n]
 
     def clone(self, n: fx.Node, arg: Callable[[fx.Node], int], layer: int | None) -> int:
@@ -340,22 +294,10 @@ class Storages:
         return len(self.held) - 1
 
 
-_WORLD: contextvars.ContextVar[int] = contextvars.ContextVar("remat_plan_world_size", default=1)
-
-
-@contextlib.contextmanager
-def per_rank(world_size: int) -> Iterator[None]:
-    """Plans made inside are one rank's of `world_size`: `optimizer` is the largest rank's ZeRO share."""
-    token = _WORLD.set(world_size)
-    try:
-        yield
-    finally:
-        _WORLD.reset(token)
-
-
-def world_size() -> int:
-    """The rank count plans are made for now (`per_rank`; 1 outside it)."""
-    return _WORLD.get()
+def rank_share(p: Plan, numels: list[int], world_size: int) -> Plan:
+    """`p` for one of `world_size` data-parallel ranks: its optimizer holds the largest ZeRO share of the state
+    of trainable tensors of `numels` elements."""
+    return dataclasses.replace(p, optimizer=2 * 4 * max(zero_shards(numels, world_size)))
 
 
 def zero_shards(numels: list[int], world_size: int) -> list[int]:
@@ -438,80 +380,6 @@ def _peak(events: list[tuple[int, int]], skip: frozenset[int] | set[int] = froze
         if i not in skip:
             live += b
             peak = max(peak, live)
-    return peak
-
-
-# ---------------------------------------------------------------------------------------- the gate
-
-def available_memory(device: torch.device | str = "cpu") -> int:
-    """Free memory of the device: on CPU the kernel's MemAvailable estimate."""
-    if torch.device(device).type == "cuda":
-        return torch.cuda.mem_get_info(device)[0]
-    with open("/proc/meminfo") as f:
-        for line in f:
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    raise OSError("cannot read MemAvailable from /proc/meminfo")
-
-
-@functools.cache
-def _libc() -> ctypes.CDLL | None:
-    """glibc, where the process has it."""
-    try:
-        return ctypes.CDLL("libc.so.6")
-    except OSError:
-        return None
-
-
-def return_freed_memory() -> None:
-    """Have glibc give large freed blocks (256 KiB and up) back to the kernel at once.
-
-    By default glibc raises its mmap threshold as large blocks are freed (up to 32 MiB) and then serves
-    them from its heap, which it cannot shrink past a live block: the process peak grows past what is live
-    (SmolLM2 LoRA at ctx 1024, recompute on: 1,910 MiB against 1,303 with this set). 256 KiB, not 1 MiB: at ctx
-    256 a layer's activations are 576 KiB (SmolLM2), and kept in the heap they grew the resident set by 90 MiB a step
-    (the demo: 965 MiB after its third step, 700 with 256 KiB; its peak 1,273 against 1,168). Elsewhere, a no-op."""
-    libc = _libc()
-    if libc is not None:
-        libc.mallopt(-3, 256 << 10)  # M_MMAP_THRESHOLD, which also turns the dynamic threshold off
-
-
-def trim_heap() -> None:
-    """Collect garbage, then have glibc give the heap memory it holds freed back to the kernel (`malloc_trim(0)`,
-    every arena), so that the resident set is what is live. Where libc has no `malloc_trim`, only the collection.
-
-    Without it, a step that follows another in one process reuses the heap that step freed (tensors under
-    the 256 KiB mmap threshold of `return_freed_memory`) without growing the resident set: its process peak
-    above its start reads near 0 however much it allocates (the bench's interleaved variants)."""
-    gc.collect()
-    libc = _libc()
-    if libc is not None and hasattr(libc, "malloc_trim"):
-        libc.malloc_trim(0)
-
-
-def resident() -> int:
-    """The process's resident set now (bytes): the `runtime` category, read before the model loads."""
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * (1 << 12)
-
-
-def reset_process_peak() -> None:
-    """Start the kernel's peak resident set (VmHWM) again from the resident set now (Linux)."""
-    with contextlib.suppress(OSError), open("/proc/self/clear_refs", "w") as f:
-        f.write("5")
-
-
-def process_peak() -> dict[str, int]:
-    """What the whole process has taken at most so far: peak resident set (VmHWM), and on CUDA the
-    allocator's peaks (`max_memory_allocated` in use, `max_memory_reserved` held)."""
-    peak = {}
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmHWM:"):
-                peak["rss"] = int(line.split()[1]) * 1024
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        peak["cuda_allocated"] = torch.cuda.max_memory_allocated()
-        peak["cuda_reserved"] = torch.cuda.max_memory_reserved()
     return peak
 
 

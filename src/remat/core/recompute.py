@@ -124,11 +124,11 @@ class Rewriter:
         origin.update((c, n) for n, c in env.items() if c not in origin)
         self._fake_values(_fresh(new, set(clones.values())), origin)
         return TrainGraph(gm=gm, roles=self.tg.roles, names=self.tg.names, boundary=env[self.tg.boundary],
-                          info={**self.tg.info, "recompute": policy.name})
+                          info={**self.tg.info, "recompute": policy.name}, workspaces=self.tg.workspaces)
 
     def plan(self, policy: Policy, kept: dict[fx.Node, str] | None = None) -> Plan:
         """`plan(self(policy, kept))`, to the byte, without making the graph: a budget search's probe."""
-        made = Storages(self.storages, self.templates)
+        made = Storages(self.storages, self.tg.workspace, self.templates)
         self._copy(keep_reasons(self.tg, policy) if kept is None else kept, made)
         return plan(self.tg, made.order())
 

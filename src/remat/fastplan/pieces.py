@@ -26,7 +26,7 @@ from torch.fx._lazy_graph_module import _LazyGraphModule
 
 from remat.core.capture import copied_value
 from remat.core.graph import TrainGraph, copy_node, laid_out_on
-from remat.fastplan.stamp import NotStampable, _mapped, _shares_an_input, backward_starts
+from remat.fastplan.stamp import NotStampable, backward_starts, mapped, shares_an_input
 from remat.models.hf import traced_pieces
 
 aten = torch.ops.aten
@@ -137,7 +137,7 @@ class _PieceStamper:
         args: list[Any] = list(x.args)
         for i in _bounds(x):
             args[i] = ("bound", args[i] - self.step * self.pieces[s])
-        return x.op, x.target, _mapped((args, x.kwargs), lambda a: self._role(a, kind, s))
+        return x.op, x.target, mapped((args, x.kwargs), lambda a: self._role(a, kind, s))
 
     # ------------------------------------------------------------------ the whole graph
     def graph(self) -> TrainGraph:
@@ -159,7 +159,7 @@ class _PieceStamper:
                 env[node, -1] = copy_node(new, node, functools.partial(self._read, at=-1, reader=node, env=env))
         self._values(new, env, copies)
         return TrainGraph(gm=_LazyGraphModule(small.gm, new), roles=small.roles, names=small.names,
-                          boundary=env[small.boundary, -1], info=small.info)
+                          boundary=env[small.boundary, -1], info=small.info, workspaces=small.workspaces)
 
     def _copy(self, new: fx.Graph, x: fx.Node, k: int, env: dict) -> fx.Node:
         c = copy_node(new, x, functools.partial(self._read, at=k, reader=x, env=env))
@@ -200,7 +200,7 @@ class _PieceStamper:
                 if shift[c]:
                     v = c.meta["val"]
                     c.meta["val"] = laid_out_on(v, v.untyped_storage(), v.storage_offset() + shift[c])
-            elif any(a in copies for a in c.all_input_nodes) and _shares_an_input(o):
+            elif any(a in copies for a in c.all_input_nodes) and shares_an_input(o):
                 c.meta["val"] = copied_value(o, c)
 
     def _shift(self, o: fx.Node, c: fx.Node, shift: dict[fx.Node, int]) -> int:

@@ -29,25 +29,19 @@ from torch.fx.experimental.proxy_tensor import (
     CONSTANT_NUMEL_LIMIT,
     disable_autocast_cache,
     extract_val,
-    get_proxy_mode,
 )
 from torch.fx.node import Argument
 from torch.utils._python_dispatch import (
     TorchDispatchMode,
-    _get_current_dispatch_mode_stack,
     autograd_would_have_decomposed,
 )
 from torch.utils.weak import WeakIdKeyDictionary
 
+from remat.core.capture import Unrecordable
 from remat.core.graph import laid_out_on, new_node
 
 aten = torch.ops.aten
 _METADATA = (aten.size.default, aten.stride.default, aten.storage_offset.default)
-
-
-class Unrecordable(Exception):
-    """The step does something the recorder does not follow (symbolic sizes, a named-tuple argument, a result
-    that is not tensors or numbers)."""
 
 
 def record(fn: Callable[..., tuple], args: Sequence[torch.Tensor]) -> fx.GraphModule:
@@ -64,16 +58,6 @@ def record(fn: Callable[..., tuple], args: Sequence[torch.Tensor]) -> fx.GraphMo
     return _make_graph_module(recorder.root, recorder.graph, fn.__name__)
 
 
-def last_node() -> fx.Node:
-    """The node recorded last by the tracer running (the recorder, or make_fx)."""
-    recorder = next((m for m in _get_current_dispatch_mode_stack() if isinstance(m, _Recorder)), None)
-    if recorder is not None:
-        return recorder.last()
-    mode = get_proxy_mode()
-    assert mode is not None, "called while a step is traced"
-    return next(reversed(mode.tracer.graph.nodes))
-
-
 class _Recorder(TorchDispatchMode):
     def __init__(self) -> None:
         super().__init__()
@@ -83,7 +67,7 @@ class _Recorder(TorchDispatchMode):
         self.constant_of: WeakIdKeyDictionary = WeakIdKeyDictionary()  # tensor -> its real value, where known
         self.attrs: dict[torch.Tensor, str] = {}  # untracked tensor -> its `_tensor_constant` name
 
-    def last(self) -> fx.Node:
+    def last_node(self) -> fx.Node:  # asked by the tracer (`capture.trace`) for the forward's last node
         return next(reversed(self.graph.nodes))
 
     def track(self, t: torch.Tensor, node: fx.Node, constant: torch.Tensor | None) -> None:

@@ -1,7 +1,7 @@
 """The step of an N-layer model, stamped from the trace of a few of its layers (plans only).
 
 Decoder layers of one type are one function on different weights, so tracing all N of them repeats the
-same work N times (most of `remat plan`'s time). The layers are told apart by type (`_signature`: module
+same work N times (most of `remat plan`'s time). The layers are told apart by type (`signature`: module
 classes, weight shapes, the plain settings their modules keep), and the model is traced with its first layer
 (it reads the embedding) and two layers of every type after it, the type's first and its second, or the last
 layer (it feeds the head) where that is of the type (`Picked`; the config's per-layer lists, such as
@@ -28,10 +28,9 @@ beyond what the checks see could misplan memory but never change training.
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import re
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -43,177 +42,42 @@ from torch.fx._lazy_graph_module import _LazyGraphModule
 from remat.core.capture import copied_value
 from remat.core.graph import StepInputs, TrainGraph, copy_node
 from remat.core.marks import LAYER_MARK, MARK_OP
-from remat.core.plan import Order, Plan, Storages, _storages, planned, sized_storages
+from remat.core.plan import Order, Plan, Storages, planned, sized_storages, storages_of
 from remat.core.policies import Policy, layer_index
 from remat.core.recompute import CLONE_FOR, Rewriter
-from remat.models.hf import causal_lm, decoder_layers, prepare
-
-COPIES = 2  # the fewest layers a stamp must spare the trace (with fewer, the small trace is most of the whole)
-
-
-class NotStampable(Exception):
-    """The trace does not split into alike layers: trace the model whole."""
+from remat.fastplan.picking import NotStampable, Picked, only_layers, pick, qualified_name, signature
+from remat.models.hf import decoder_layers, prepare
 
 
-def stamp(model: nn.Module, trace_small: Callable[[], TrainGraph]) -> Stamper:
+def stamp(model: nn.Module, trace_small: Callable[[], TrainGraph], picked: Picked | None = None) -> Stamper:
     """The whole model's step from `trace_small()` (the same trace, made while the model runs only the layers
     `Picked.traced`): its graph and plans (`Stamper`); NotStampable, with why, when the model must be traced
-    whole."""
+    whole. `picked`: the layers an earlier stamp of this model picked (`Stamper.picked`; a model's layers are
+    fixed once built), else picked here."""
     prepare(model)  # the layer marks are numbered by the whole list, before it is cut
     layers = decoder_layers(model)
-    picked = layers.__dict__.get("_remat_picked")  # a model's layers are fixed once built: picked once per model
     if picked is None:
-        picked = layers.__dict__["_remat_picked"] = _pick([_signature(m) for m in layers])
+        picked = pick([signature(m) for m in layers])
     try:
         return _stamped(model, layers, picked, trace_small)
     except NotStampable:
         if not picked.last_copied:
             raise
     # the last layer is not like its type's others beyond what its signature shows (axk1's backward holds more):
-    # it stands for itself, from now on
-    picked = layers.__dict__["_remat_picked"] = _pick([_signature(m) for m in layers], last_copied=False)
-    return _stamped(model, layers, picked, trace_small)
+    # it stands for itself, from now on (the stamper's `picked`)
+    return _stamped(model, layers, pick([signature(m) for m in layers], last_copied=False), trace_small)
 
 
 def _stamped(model: nn.Module, layers: nn.ModuleList, picked: Picked,
              trace_small: Callable[[], TrainGraph]) -> Stamper:
-    with _only_layers(model, layers, picked.traced):
+    with only_layers(model, layers, picked.traced):
         try:
             small = trace_small()
         except (KeyError, IndexError) as e:  # a model that keeps tables by layer (Zamba2's) runs no cut list
             raise NotStampable(f"layers {list(picked.traced)} do not run alone: {type(e).__name__} {e}") from e
-    stamper = Stamper(small, Numbering(_qualified_name(model, layers)), picked, StepInputs.of(model))
+    stamper = Stamper(small, Numbering(qualified_name(model, layers)), picked, StepInputs.of(model))
     stamper.walked  # noqa: B018 - the last checks: NotStampable here, not later
     return stamper
-
-
-# ---------------------------------------------------------------------------------------------- picking
-
-
-@dataclass(frozen=True)
-class Picked:
-    """Which of the n layers the small trace runs (`traced`, in order; a layer's place is its index there), and
-    what each of the model's layers is stamped from (`source`: a place). The first layer (and any layer of a
-    type that does not occur twice, and the last where it must) stands for itself; every other layer is its
-    type's second traced layer, copied. `alike`: the two places of each type, checked against each other.
-    The head stands after the layers, at place len(traced) and layer n."""
-
-    n: int
-    traced: tuple[int, ...]
-    source: tuple[int, ...]
-    alike: tuple[tuple[int, int], ...]
-
-    @property
-    def head(self) -> int:
-        return len(self.traced)
-
-    def itself(self, place: int) -> bool:
-        """Whether a place stands for its own layer (the first, the head, ...) rather than being copied."""
-        return place == self.head or all(place not in pair for pair in self.alike)
-
-    @property
-    def last_copied(self) -> bool:
-        """Whether the last layer is its type's copied one (checked against the type's first) or stands for itself."""
-        return not self.itself(self.source[-1])
-
-    def layer(self, place: int) -> int:
-        """The model's layer a place that stands for itself is (the head: n)."""
-        return self.n if place == self.head else self.traced[place]
-
-    def source_of(self, layer: int) -> int:
-        return self.head if layer == self.n else self.source[layer]
-
-
-def _pick(signatures: list[tuple], last_copied: bool = True) -> Picked:
-    """The first layer, as few more at either end as it takes for every type between to occur twice, and two of
-    each type between: its first and its second, or the last layer where that is of the type (unless not
-    `last_copied`: then the last layer always stands for itself); NotStampable when that spares the trace fewer
-    than COPIES layers."""
-    n, s = len(signatures), 0 if last_copied else 1  # s: the fewest last layers that stand for themselves
-    for ends in range(1 + s, n - 1):
-        for a in range(1, ends + 1 - s):
-            between: dict[tuple, list[int]] = {}
-            for i in range(a, n - ends + a):
-                between.setdefault(signatures[i], []).append(i)
-            if all(len(layers) >= 2 for layers in between.values()):
-                return _picked(n, a, ends - a, list(between.values()))
-    if n < 4 + COPIES:
-        raise NotStampable(f"{n} layers: too few to copy one")
-    i = next(i for i in range(2, n) if signatures[i] != signatures[1])
-    raise NotStampable(f"its layers do not repeat: {_difference(signatures[1], signatures[i])} (layers 1, {i})")
-
-
-def _picked(n: int, a: int, s: int, types: list[list[int]]) -> Picked:
-    # each type's first layer and the one copied: its second, or the last layer where it is of the type
-    pairs = [(t[0], t[-1] if t[-1] == n - 1 else t[1]) for t in types]
-    traced = sorted({*range(a), *range(n - s, n), *(i for pair in pairs for i in pair)})
-    if n - len(traced) < COPIES:
-        raise NotStampable(f"{n} layers: too few to copy one")
-    place = {layer: j for j, layer in enumerate(traced)}
-    source = [place.get(i, -1) for i in range(n)]
-    for layers, (_, copied) in zip(types, pairs):
-        for i in layers:
-            source[i] = place[copied]
-    return Picked(n, tuple(traced), tuple(source), tuple((place[x], place[y]) for x, y in pairs))
-
-
-# ---------------------------------------------------------------------------------------------- layers
-
-
-_POSITION = re.compile(r"layer_?(idx|id|index|number)|block_?(idx|id)")
-
-
-def _signature(layer: nn.Module) -> tuple:
-    """What can make two layers different functions: module classes, parameter and buffer shapes, and the
-    plain settings the modules keep (sliding window or not, layer type, ...), its own position aside."""
-    parts: list = []
-    for name, m in layer.named_modules():
-        settings = sorted((k, repr(v)) for k, v in vars(m).items()
-                          if not k.startswith("_") and not _POSITION.fullmatch(k) and k != "training"
-                          and isinstance(v, (int, float, str, bool, type(None), tuple, list)))
-        tensors = [(k, tuple(t.shape), t.dtype, t.requires_grad)
-                   for k, t in [*m.named_parameters(recurse=False), *m.named_buffers(recurse=False)]]
-        parts.append((name, type(m).__qualname__, tuple(settings), tuple(tensors)))
-    return tuple(parts)
-
-
-def _difference(a: tuple, b: tuple) -> str:
-    """What differs between two layer signatures, in a few words."""
-    for (name, cls, settings, tensors), (name_b, cls_b, settings_b, tensors_b) in zip(a, b):
-        where = name or "the layer"
-        if (name, cls) != (name_b, cls_b):
-            return f"{where}: {cls} / {name_b or 'the layer'}: {cls_b}"
-        keys = sorted({k for k, _ in set(settings) ^ set(settings_b)})
-        if keys:
-            return f"{where} {', '.join(keys)}"
-        if tensors != tensors_b:
-            return f"{where}'s weights"
-    return "their module trees"
-
-
-def _qualified_name(model: nn.Module, layers: nn.ModuleList) -> str:
-    return next(name for name, m in model.named_modules() if m is layers)
-
-
-@contextlib.contextmanager
-def _only_layers(model: nn.Module, layers: nn.ModuleList, keep: tuple[int, ...]) -> Iterator[None]:
-    """The decoder runs only the layers `keep` (the model iterates over its layer list; slices of it by the
-    configured depth stop at the list's end), and its config's per-layer lists (`layer_types`: LFM3 picks each
-    layer's mask and rotary tables by its place in the list) are cut to match."""
-    saved = dict(layers._modules)
-    n, keys = len(saved), list(saved)
-    configs = {id(c): c for m in causal_lm(model).modules() if (c := getattr(m, "config", None)) is not None}
-    lists = [(c, k, v) for c in configs.values() for k, v in vars(c).items()
-             if isinstance(v, (list, tuple)) and len(v) == n]
-    layers._modules = {keys[i]: saved[keys[i]] for i in keep}
-    for c, k, v in lists:
-        setattr(c, k, type(v)(v[i] for i in keep))
-    try:
-        yield
-    finally:
-        layers._modules = saved
-        for c, k, v in lists:
-            setattr(c, k, v)
 
 
 # ---------------------------------------------------------------------------------------------- segments
@@ -345,7 +209,7 @@ class Stamper:
         raise NotStampable(f"layer {own} reads {arg.name}, of a layer not next to it")
 
     def _roles(self, node: fx.Node, place: int) -> tuple:
-        return node.op, node.target, _mapped((node.args, node.kwargs), lambda a: self._role(a, place))
+        return node.op, node.target, mapped((node.args, node.kwargs), lambda a: self._role(a, place))
 
     def _check_alike(self, kind: str, a: int, b: int) -> None:
         sa, sb = self._segment(kind, a), self._segment(kind, b)
@@ -373,7 +237,7 @@ class Stamper:
         gm = _LazyGraphModule(small.gm, new)  # its code is made on its first call: a plan never pays for it
         boundary = env[small.boundary, p.layer(self.seg.place[small.boundary][1])]
         return TrainGraph(gm=gm, roles=self._roles_full(), names=self._names_full(), boundary=boundary,
-                          info=small.info)
+                          info=small.info, workspaces=small.workspaces)
 
     def plan(self, policy: Policy | None = None) -> Plan:
         """`plan(rewrite(self.graph(), policy))` (None: `plan(self.graph())`), to the byte, without making the
@@ -389,7 +253,7 @@ class Stamper:
     def walked(self) -> tuple[int, Order]:
         """The whole step as the planner sees it: the bytes of the grads it makes, and its node order. Walking
         it reads every value as `graph` does: the last check that the model stamps (`_read`, `_outputs`)."""
-        made = Storages(functools.cache(sized_storages))
+        made = Storages(functools.cache(sized_storages), self.small.workspace)
         places = {name: made.input(("input", name)) for name in self._names_full()}
         env: dict[tuple[fx.Node, int], int] = {}  # (small node, the model's layer it stands for) -> its position
         copied = [not self.picked.itself(place) for place in range(self.picked.head + 1)]
@@ -499,20 +363,20 @@ class Stamper:
         for node, layer in order:
             c = env[node, layer]
             if (not p.itself(self.seg.place[node][1])
-                    or (any(a in redone for a in c.all_input_nodes) and _shares_an_input(node))):
+                    or (any(a in redone for a in c.all_input_nodes) and shares_an_input(node))):
                 c.meta["val"] = copied_value(node, c)
                 redone.add(c)
 
 
-def _shares_an_input(node: fx.Node) -> bool:
-    inputs = {r for a in node.all_input_nodes for r in _storages(a)}
-    return any(r in inputs for r in _storages(node))
+def shares_an_input(node: fx.Node) -> bool:
+    inputs = {r for a in node.all_input_nodes for r in storages_of(a)}
+    return any(r in inputs for r in storages_of(node))
 
 
-def _mapped(args: object, fn) -> object:
+def mapped(args: object, fn) -> object:
     """`args` with every leaf mapped by `fn` (nested tuples, lists and dicts as fx keeps them)."""
     if isinstance(args, (tuple, list)):
-        return tuple(_mapped(a, fn) for a in args)
+        return tuple(mapped(a, fn) for a in args)
     if isinstance(args, dict):
-        return tuple((k, _mapped(v, fn)) for k, v in args.items())
+        return tuple((k, mapped(v, fn)) for k, v in args.items())
     return fn(args)

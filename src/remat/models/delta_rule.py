@@ -13,8 +13,9 @@ so the rule's intermediates are recomputed inside its backward under every polic
 `torch.utils.checkpoint` would.
 
 What an op holds inside (the backward: every chunk's intermediates) is its workspace, which the planner
-adds at the op's node (`plan.WORKSPACE`): run on the meta device at 3 and 4 chunks (every size in the rule is
-affine in the chunk count) and checked at 5, so planning costs the same at any window; `plan.measure`
+adds at the op's node (`WORKSPACES`, handed to the tracer with the swap): run on the meta device at 3 and 4
+chunks (every size in the rule is affine in the chunk count) and checked at 5, so planning costs the same at any
+window; `plan.measure`
 tracks the real one (`plan.held_inside`). Against the allocator's own events the plan over-counts by about
 6% of the workspace (the tracker's weak references keep autograd from summing some gradients in place);
 tests/test_delta_rule.py holds that bound.
@@ -32,6 +33,7 @@ from torch import fx, nn
 from torch._subclasses.fake_tensor import unset_fake_temporarily
 
 from remat.core import plan
+from remat.core.graph import Workspaces
 
 NAME = "torch_chunk_gated_delta_rule"  # transformers' function, module-level in each Gated DeltaNet family
 # Inside an op's kernel autograd is switched off (it runs below autograd); the backward turns it on again.
@@ -288,4 +290,5 @@ def _peak(forward: bool, specs: tuple, tokens: int, to: int, *, module: str, chu
     return peak[0]
 
 
-plan.WORKSPACE[FORWARD] = plan.WORKSPACE[BACKWARD] = _workspace
+# the ops' memory held inside, for the planner: the tracer that swaps them in hands these to the graph
+WORKSPACES: Workspaces = {FORWARD: _workspace, BACKWARD: _workspace}

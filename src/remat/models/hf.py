@@ -222,32 +222,38 @@ def _at_least_fp32(logits: torch.Tensor) -> torch.Tensor:
     return logits.to(torch.promote_types(logits.dtype, torch.float32))
 
 
-def mark_layer_outputs(model: nn.Module, prefix: str = LAYER_MARK) -> list:
-    """Mark each decoder layer's output hidden state `{prefix}.{i}`; returns the hook handles."""
+class _Mark:
+    """A forward hook marking a decoder layer's output hidden state (`remat::mark`). The first layer's also keeps
+    what `prepare` changed on the model, for `unprepare`."""
 
-    def hook(i: int):
-        def fn(module, args, output):
-            if isinstance(output, (tuple, list)):  # some layers return a list (openai-gpt)
-                return type(output)((mark(output[0], f"{prefix}.{i}"), *output[1:]))
-            return mark(output, f"{prefix}.{i}")
+    def __init__(self, name: str, before: tuple[str | None, str | None] | None = None):
+        self.name, self.before = name, before
 
-        return fn
+    def __call__(self, module: nn.Module, args: object, output: Any) -> Any:
+        if isinstance(output, (tuple, list)):  # some layers return a list (openai-gpt)
+            return type(output)((mark(output[0], self.name), *output[1:]))
+        return mark(output, self.name)
 
-    return [layer.register_forward_hook(hook(i)) for i, layer in enumerate(decoder_layers(model))]
+
+def _marks(layer: nn.Module) -> list[tuple[int, _Mark]]:
+    return [(k, h) for k, h in layer._forward_hooks.items() if isinstance(h, _Mark)]
 
 
 def prepare(model: nn.Module) -> None:
-    """Once per model: mark the layer outputs, select remat's attention and masks, and traceable experts.
+    """Ready a model for tracing (idempotent): mark its decoder layers' outputs `l_out.{i}` (forward hooks),
+    select remat's attention and masks, and traceable experts. `unprepare` undoes it.
 
     A model that ships without SDPA gets its masks in eager attention's format (`ATTENTION_EAGER_MASKS`).
-
     A model whose attention cannot be selected (no attention at all: Mamba; or its own attention
     only) keeps the attention it has.
     """
     lm = causal_lm(model)
-    if getattr(lm, "_remat_prepared", False):
+    layers = decoder_layers(lm)
+    if _marks(layers[0]):
         return
-    mark_layer_outputs(lm)
+    before = (lm.config._attn_implementation, getattr(lm.config, "_experts_implementation", None))
+    for i, layer in enumerate(layers):
+        layer.register_forward_hook(_Mark(f"{LAYER_MARK}.{i}", before if i == 0 else None))
     try:
         lm.set_attn_implementation(ATTENTION if lm._supports_sdpa else ATTENTION_EAGER_MASKS)
     except ValueError as e:  # transformers: "... does not support an attention implementation through ..."
@@ -255,7 +261,23 @@ def prepare(model: nn.Module) -> None:
             raise
     if lm._can_set_experts_implementation():
         lm.set_experts_implementation(EXPERTS)
-    lm._remat_prepared = True
+
+
+def unprepare(model: nn.Module) -> None:
+    """Undo `prepare`: remove the marks and give the model back the attention and experts it had."""
+    lm = causal_lm(model)
+    layers = decoder_layers(lm)
+    marks = _marks(layers[0])
+    if not marks:
+        return
+    attention, experts = marks[0][1].before or (None, None)
+    for layer in layers:
+        for k, _ in _marks(layer):
+            del layer._forward_hooks[k]
+    if attention is not None and attention != lm.config._attn_implementation:
+        lm.set_attn_implementation(attention)
+    if experts is not None and lm._can_set_experts_implementation():
+        lm.set_experts_implementation(experts)
 
 
 def causal_lm_loss(model: nn.Module, input_ids: torch.Tensor, labels: torch.Tensor,

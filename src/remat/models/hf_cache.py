@@ -160,45 +160,56 @@ def _reads_cache_length(lm: Any, batch: int, ctx: int) -> bool:
     return not torch.allclose(plain, padded, rtol=1e-4, atol=1e-5)
 
 
-def state_shapes(model: nn.Module, batch: int, ctx: int) -> dict[str, tuple[int, ...]]:
-    """Name -> shape of every cache and state tensor the walk keeps for a window of `ctx` tokens.
+class Probes:
+    """What the walk learns of a model by running it, asked once each: its states' shapes (per batch), whether its
+    attention masks by the cache's length (per window), whether its scans start from the carried state. One per
+    model, held by whoever plans or walks it (a `Planner`, a `Walk`): nothing is kept on the model."""
 
-    Read off the model itself: its decoder runs on two tokens over a probe cache, and each
-    attention layer's K/V (full window: sliding-window layers keep every row and apply their
-    window in the mask), conv state and recurrent state is recorded as the layer writes it.
-    Refuses, naming the feature, what a chunk cannot carry over to the next.
-    """
-    lm = causal_lm(model)
-    prepare(lm)
-    if getattr(lm.config, "output_router_logits", False):
-        raise UnsupportedModel("the walk path does not support a router aux loss (output_router_logits): "
-                               "it is a function of the whole window's routing")
-    cached = lm.__dict__.setdefault("_remat_state_shapes", {})
-    if batch not in cached:
-        try:
-            cached[batch] = _probe(lm, batch)
-        except (AttributeError, TypeError, NotImplementedError, ValueError, RuntimeError) as e:
-            raise UnsupportedModel(f"the walk path does not support {lm.config.model_type}: its layers call the "
-                                   f"cache in a way the walk does not know ({type(e).__name__}: "
-                                   f"{one_line(e, 160)})") from None
-    shapes = cached[batch]
-    reads_length = lm.__dict__.setdefault("_remat_reads_cache_length", {})  # ctx -> the answer, asked once
-    if ctx not in reads_length:
-        reads_length[ctx] = any(k.startswith("k.") for k in shapes) and _reads_cache_length(lm, 1, ctx)
-    if reads_length[ctx]:
-        raise UnsupportedModel(f"the walk path does not support {lm.config.model_type}: its attention masks by the "
-                               "cache's length, not by positions (the walk's cache holds the whole window)")
-    if any(k.startswith("recurrent.") for k in shapes):
-        from_zero = lm.__dict__.setdefault("_remat_scans_from_zero", {})
-        if batch not in from_zero:
-            from_zero[batch] = _scans_from_zero(lm, batch, shapes)
-        if from_zero[batch]:
-            layer = decoder_layers(lm)[from_zero[batch][0]]
-            raise UnsupportedModel(f"the walk path does not support {type(layer).__name__} layers: their sequence "
-                                   "scan does not start from the state carried in from the previous chunk")
-    if not shapes:
-        raise UnsupportedModel(f"the walk path does not support {lm.config.model_type}: its layers keep no cache")
-    return {k: (*v[:2], ctx, *v[3:]) if k[:2] in ("k.", "v.") else tuple(v) for k, v in shapes.items()}
+    def __init__(self, model: nn.Module):
+        self.lm = causal_lm(model)
+        self.shapes: dict[int, dict[str, tuple[int, ...]]] = {}
+        self.reads_length: dict[int, bool] = {}
+        self.from_zero: dict[int, list[int]] = {}
+
+    def state_shapes(self, batch: int, ctx: int) -> dict[str, tuple[int, ...]]:
+        """Name -> shape of every cache and state tensor the walk keeps for a window of `ctx` tokens.
+
+        Read off the model itself: its decoder runs on two tokens over a probe cache, and each
+        attention layer's K/V (full window: sliding-window layers keep every row and apply their
+        window in the mask), conv state and recurrent state is recorded as the layer writes it.
+        Refuses, naming the feature, what a chunk cannot carry over to the next.
+        """
+        lm = self.lm
+        prepare(lm)
+        if getattr(lm.config, "output_router_logits", False):
+            raise UnsupportedModel("the walk path does not support a router aux loss (output_router_logits): "
+                                   "it is a function of the whole window's routing")
+        shapes = self._shapes(batch)
+        if ctx not in self.reads_length:
+            self.reads_length[ctx] = any(k.startswith("k.") for k in shapes) and _reads_cache_length(lm, 1, ctx)
+        if self.reads_length[ctx]:
+            raise UnsupportedModel(f"the walk path does not support {lm.config.model_type}: its attention masks by "
+                                   "the cache's length, not by positions (the walk's cache holds the whole window)")
+        if any(k.startswith("recurrent.") for k in shapes):
+            if batch not in self.from_zero:
+                self.from_zero[batch] = _scans_from_zero(lm, batch, shapes)
+            if self.from_zero[batch]:
+                layer = decoder_layers(lm)[self.from_zero[batch][0]]
+                raise UnsupportedModel(f"the walk path does not support {type(layer).__name__} layers: their "
+                                       "sequence scan does not start from the state carried in from the previous chunk")
+        if not shapes:
+            raise UnsupportedModel(f"the walk path does not support {lm.config.model_type}: its layers keep no cache")
+        return {k: (*v[:2], ctx, *v[3:]) if k[:2] in ("k.", "v.") else tuple(v) for k, v in shapes.items()}
+
+    def _shapes(self, batch: int) -> dict[str, tuple[int, ...]]:
+        if batch not in self.shapes:
+            try:
+                self.shapes[batch] = _probe(self.lm, batch)
+            except (AttributeError, TypeError, NotImplementedError, ValueError, RuntimeError) as e:
+                raise UnsupportedModel(f"the walk path does not support {self.lm.config.model_type}: its layers "
+                                       f"call the cache in a way the walk does not know ({type(e).__name__}: "
+                                       f"{one_line(e, 160)})") from None
+        return self.shapes[batch]
 
 
 class WalkCache:

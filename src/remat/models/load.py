@@ -25,7 +25,7 @@ from transformers.initialization import no_init_weights
 
 from remat.base.files import staged, staged_file
 from remat.base.settings import Note, UsageError, one_line
-from remat.core.plan import trim_heap
+from remat.core.process import trim_heap
 from remat.models import gguf_file, stored
 
 transformers.utils.logging.disable_progress_bar()  # remat draws its own progress; keep stderr readable
@@ -201,6 +201,11 @@ def _resolve(spec: str | None) -> tuple[str, Any]:  # a preset's name (str), els
     if path.suffix in (".gguf", ".json") or os.sep in spec:
         raise ModelError(f"'{spec}' does not exist")
     raise ModelError(f"unknown model '{spec}': not a file, folder or preset (presets: {', '.join(PRESETS)})")
+
+
+def kind(spec: str | None) -> tuple[str, Any]:
+    """What a model spec names: ("preset", name), ("gguf", file), ("folder", dir) or ("config", json file)."""
+    return _resolve(spec)
 
 
 def _read_json_config(path: pathlib.Path) -> transformers.PretrainedConfig:

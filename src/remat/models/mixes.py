@@ -18,6 +18,7 @@ import gguf
 from torch import nn
 
 from remat.models import gguf_file
+from remat.models.lora_gguf import CONVERTERS
 
 Q = gguf.GGMLQuantizationType
 
@@ -43,9 +44,7 @@ def _quantized(gguf_name: str, ndim: int) -> bool:
 
 
 def _arch(model: nn.Module) -> str:
-    from remat.models import adapters  # adapters loads models: imported when a mix is planned
-
-    converter = adapters._CONVERTERS.get(type(model).__name__)
+    converter = CONVERTERS.get(type(model).__name__)
     arch = gguf.MODEL_ARCH_NAMES[converter[0]] if converter else getattr(model.config, "model_type", "")
     if arch not in gguf.MODEL_ARCH_NAMES.values():
         raise ValueError(f"llama.cpp has no GGUF architecture for {type(model).__name__}")

@@ -1,4 +1,4 @@
-"""How a model spec's frozen weights will be held, from headers alone: what a plan sizes (`step.planning_model`).
+"""How a model spec's frozen weights will be held, from headers alone: what a plan sizes (`gate.Planners`).
 
 A GGUF: the types its header gives (`gguf_file.planned_types`: kept in blocks, or float32 where loading
 dequantizes). An HF folder: its config's float16 / bfloat16, as `load_model` keeps them. A preset: float32.
@@ -25,7 +25,7 @@ def stored_types(spec: str | None, weights: str | None, model: nn.Module) -> dic
             return mixes.types(model, weights)
         except ValueError as e:
             raise UsageError(f"--weights {weights}: {e}") from None
-    kind, target = models._resolve(spec)
+    kind, target = models.kind(spec)
     if kind == "gguf":
         arch, header = models.gguf_header(target)
         if gguf_file.transformers_converts(arch):  # loaded dequantized (`models._load_gguf`)

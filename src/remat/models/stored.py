@@ -15,7 +15,6 @@ serving and merging an adapter do for now.
 from __future__ import annotations
 
 import contextlib
-import contextvars
 from collections.abc import Iterator
 
 import gguf
@@ -31,32 +30,33 @@ FLOAT_TYPES = {torch.float16: Q.F16, torch.bfloat16: Q.BF16}
 ORIGINAL = ".parametrizations.{}.original"  # where parametrize keeps a parameter's stored tensor
 
 
-_PEEKING: contextvars.ContextVar[bool] = contextvars.ContextVar("remat_stored_peeking", default=False)
-
-
 class Stored(nn.Module):
     """The parametrization of a stored weight: its bytes in, the weight of `shape` in `dtype` out."""
 
     def __init__(self, qtype: int, shape: tuple[int, ...], dtype: torch.dtype = torch.float32):
         super().__init__()
         self.qtype, self.shape, self.dtype = int(qtype), tuple(shape), dtype
+        self.peek = False  # `peeking`: read as a stand-in
 
     def forward(self, blocks: torch.Tensor) -> torch.Tensor:
-        if _PEEKING.get():  # a stand-in: the weight's shape, dtype and device, no values, no memory
+        if self.peek:  # the weight's shape, dtype and device: no values, no memory
             return torch.zeros((), dtype=self.dtype, device=blocks.device).expand(self.shape)
         return torch.ops.remat.dequantize(blocks, self.qtype, self.shape, self.dtype)
 
 
 @contextlib.contextmanager
-def peeking() -> Iterator[None]:
-    """Reading a stored weight gives a stand-in (its shape, dtype and device) while on: for code that inspects
-    weights without computing with them. PEFT reads each wrapped layer's weight 21 times to place its adapter:
-    SmolLM2's 210 layers dequantized 4,410 weights, 7 s, and left 40 MiB of heap behind."""
-    token = _PEEKING.set(True)
+def peeking(model: nn.Module) -> Iterator[None]:
+    """Reading the model's stored weights gives stand-ins (their shape, dtype and device) while on: for code that
+    inspects weights without computing with them. PEFT reads each wrapped layer's weight 21 times to place its
+    adapter: SmolLM2's 210 layers dequantized 4,410 weights, 7 s, and left 40 MiB of heap behind."""
+    parts = [m for m in model.modules() if isinstance(m, Stored)]
+    for m in parts:
+        m.peek = True
     try:
         yield
     finally:
-        _PEEKING.reset(token)
+        for m in parts:
+            m.peek = False
 
 
 def rows(t: torch.Tensor) -> torch.Tensor:

@@ -27,7 +27,7 @@ from starlette.concurrency import run_in_threadpool
 
 from remat.base.settings import DEFAULT_SLOWDOWN_PPM, VERSION, ServeSettings
 from remat.serve import errors, openapi, page, schemas
-from remat.serve.middleware import BODY_TIMEOUT, ApiKeyMiddleware, BodyLimitMiddleware
+from remat.serve.middleware import BODY_TIMEOUT, ApiKeyMiddleware, BodyLimitMiddleware, HeadMiddleware
 from remat.serve.routes import ROUTERS
 from remat.serve.state import Server
 
@@ -70,7 +70,8 @@ def create_app(*, model: str | None = None, parallel: int = SERVE["parallel"], a
                               memory_budget=memory_budget, state_dir=Path(state_dir), n_ctx=n_ctx,
                               on_load_error=on_load_error)
     app.add_middleware(BodyLimitMiddleware, limit=max_body, timeout=body_timeout)
-    app.add_middleware(ApiKeyMiddleware, keys=list(api_keys or []))  # added last: runs first
+    app.add_middleware(ApiKeyMiddleware, keys=list(api_keys or []))
+    app.add_middleware(HeadMiddleware)  # added last: runs first (a HEAD is the GET, checked alike)
     page.install(app)  # the web page at /, served without a key (its middleware runs before the key check)
     errors.install(app)
     for router in ROUTERS:
@@ -140,9 +141,3 @@ def main(args: ServeSettings) -> int:
         print(f"remat: error: cannot load the model: {failed[0]}", file=sys.stderr)
         return 1
     return 0
-
-
-if __name__ == "__main__":
-    from remat.cli import main as cli_main
-
-    sys.exit(cli_main(["serve", *sys.argv[1:]]))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import hmac
 import json
 
@@ -109,3 +110,28 @@ class BodyLimitMiddleware:
                 chunks.append(chunk)
             if not message.get("more_body", False):
                 return chunks
+
+
+class _Answered(Exception):
+    """A HEAD's answer is complete: stop the GET that made it (a stream would go on)."""
+
+
+class HeadMiddleware:
+    """HEAD answers wherever GET does (RFC 9110): the GET's status and headers, no body. A stream (a job's
+    events) is stopped once its headers are out."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http" or scope["method"] != "HEAD":
+            return await self.app(scope, receive, send)
+
+        async def headers_only(message) -> None:
+            if message["type"] == "http.response.start":
+                return await send(message)
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+            raise _Answered
+
+        with contextlib.suppress(_Answered):
+            await self.app({**scope, "method": "GET"}, receive, headers_only)

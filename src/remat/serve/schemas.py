@@ -451,6 +451,14 @@ class JobList(Out):
     data: list[Job]
 
 
+class Deleted(Out):
+    """A finished job's record removed (DELETE /train/{id}), as OpenAI answers a deletion."""
+
+    id: str
+    object: Literal["train.job.deleted"]
+    deleted: Literal[True]
+
+
 class Event(Out):
     id: int
     event: str

@@ -1,7 +1,8 @@
 """The trainer: data -> windows -> one traced step per batch shape -> AdamW -> receipt.
 
-A reader sees the whole loop in `finetune`: load, plan and gate, then for each batch
-run the (rewritten) graph, hand its grads to the optimizer, and record the loss.
+`finetune` is `_setup` (named steps: files, the gate from the config, the model and data, the gate on the
+traced step, the optimizer) then `_train`, the loop on one screen: for each optimizer step run the (rewritten)
+graph over its batches, hand the grads to AdamW, record the loss.
 """
 
 from __future__ import annotations
@@ -18,22 +19,14 @@ from tqdm import tqdm
 from remat.base.files import staged
 from remat.base.settings import RematError, TrainSettings, UsageError, percentile
 from remat.core.graph import StepInputs, TrainGraph
-from remat.core.plan import (
-    Measured,
-    available_memory,
-    measure,
-    per_rank,
-    preflight,
-    process_peak,
-    resident,
-    return_freed_memory,
-    trim_heap,
-    value_bytes,
-)
+from remat.core.plan import Measured, measure, preflight, value_bytes
+from remat.core.process import process_peak, resident, return_freed_memory, trim_heap
 from remat.models import adapters
 from remat.models import load as models
 from remat.models.hf import UnsupportedModel
-from remat.training import checkpoints, data, distributed, step, walk
+from remat.models.hf_cache import Probes
+from remat.training import checkpoints, data, distributed, gate, walk
+from remat.training.step import Planner, StepShape
 
 
 @dataclass
@@ -52,10 +45,12 @@ class Hooks:
 class BatchRunner:
     """Runs one batch of windows through the step graph: as one chunk (window path) or ctx/ubatch chunks (walk)."""
 
-    def __init__(self, model: torch.nn.Module, graph: TrainGraph, s: TrainSettings, hooks: Hooks):
-        self.graph, self.s, self.hooks = graph, s, hooks
+    def __init__(self, model: torch.nn.Module, graph: TrainGraph, s: TrainSettings, hooks: Hooks,
+                 probes: Probes | None = None):
+        self.graph, self.hooks = graph, hooks
         self.tensors = StepInputs.of(model)
-        self.walk = walk.Walk(model, s.batch, s.ctx, s.ubatch, s.walk == "exact") if s.path == "walk" else None
+        self.walk = walk.Walk(model, s.batch, s.ctx, s.ubatch, s.walk == "exact", probes) \
+            if s.path == "walk" else None
         self.measured: Measured | None = None
         self.chunk_seconds: list[float] = []
 
@@ -120,136 +115,166 @@ def finetune(s: TrainSettings, *, progress: bool = True, hooks: Hooks | None = N
     """Train as `s` says and return the receipt; under torchrun, on every rank (see `remat.training.distributed`)."""
     distributed.from_env().local(s)  # a batch that does not split ends every rank before any joins (no race)
     with distributed.group(s.dist_timeout) as ranks:
-        return _finetune(s, ranks, progress=progress and ranks.is_main, hooks=hooks or Hooks())
+        run = _setup(s, ranks, hooks or Hooks())
+        return _train(run, progress=progress and ranks.is_main)
 
 
-def _finetune(s: TrainSettings, dp: distributed.Ranks, *, progress: bool, hooks: Hooks) -> Receipt:
+@dataclass
+class _Run:
+    """What the setup made for the loop."""
+
+    s: TrainSettings
+    dp: distributed.Ranks
+    hooks: Hooks
+    out: Path | None
+    resume: checkpoints.Checkpoint | None
+    loaded: models.LoadedModel
+    model: torch.nn.Module  # the loaded model, with its LoRA
+    windows: data.Windows
+    admitted: gate.Admitted
+    params: list[torch.Tensor]
+    optimizer: torch.optim.Optimizer
+    runner: BatchRunner
+
+
+def _train(run: _Run, *, progress: bool) -> Receipt:
+    """The loop: each optimizer step runs its batches' graphs, hands their grads to AdamW, records the loss."""
+    s, dp = run.s, run.dp
+    per_epoch, total = s.optimizer_steps(len(run.windows))
+    trainable = StepInputs.of(run.model).trainable
+    losses: list[float] = checkpoints.restore(run.resume, trainable, run.optimizer, rank=dp.rank,
+                                              world_size=dp.world_size) if run.resume else []
+    first = len(losses)
+    bar = tqdm(total=total, initial=first, desc="finetune", unit="step", file=sys.stderr, disable=not progress)
+    start = time.perf_counter()
+    batches, epoch_of_batches, saved = [], -1, []
+    for n in range(first, total):
+        epoch, i = divmod(n, per_epoch)
+        if epoch != epoch_of_batches:
+            batches, epoch_of_batches = data.batches(run.windows, s.batch, seed=s.seed, epoch=epoch), epoch
+        # No local may hold the grads past the optimizer: zero_grad(set_to_none) must free them before the
+        # next step's graph runs (a held set cost one params-sized copy of process memory).
+        step_loss = set_grads(run.params, run.runner, batches[i * s.accumulate:(i + 1) * s.accumulate], dp)
+        run.optimizer.step()
+        run.optimizer.zero_grad(set_to_none=True)
+        losses.append(step_loss)
+        tokens = (len(losses) - first) * s.accumulate * s.batch * s.ctx
+        bar.set_postfix(loss=f"{step_loss:.4f}", tok_s=f"{tokens / (time.perf_counter() - start):.0f}")
+        bar.update()
+        run.hooks.on_step({"epoch": epoch, "step": len(losses), "loss": step_loss, "steps": total})
+        if s.save_every and run.out and len(losses) % s.save_every == 0:
+            saved.append(str(dp.save_checkpoint(run.out, len(losses), trainable, run.optimizer, losses)))
+    bar.close()
+    return _receipt(run, losses, first, saved, time.perf_counter() - start)
+
+
+def _setup(s: TrainSettings, dp: distributed.Ranks, hooks: Hooks) -> _Run:
+    """Everything before the first step, in order: the gate from the config (before the weights load), the
+    model and data, the gate again on the traced step, the optimizer. Each step refuses what it can first."""
     if s.weights is not None:
         raise UsageError("--weights sizes a plan (`remat plan`); training holds the weights the model stores")
-    local = dp.local(s)  # what one rank traces and runs: its share of the global batch (one process: s)
     return_freed_memory()  # the process peak then follows what is live, as the plan counts it
     runtime = resident()  # the process before the model: the plans' `runtime`; free memory excludes it
-    budget = s.memory_budget or dp.budget(available_memory())  # read before the model takes its share
-    out = Path(s.out) if s.out else None
-    if out and out.exists() and (not out.is_dir() or any(out.iterdir())) and not s.resume:
-        raise UsageError(f"--out {out} exists and is not an empty folder")
-    resume = checkpoints.latest(s.resume) if s.resume else None
-    records = data.Records.of(s.data if s.data is not None else data.default_data_path())  # bad data: refused first
-    shape = step.StepShape.of(local)
+    budget = gate.Budget.of(s.memory_budget, ranks_here=dp.local_world_size)  # before the model takes its share
+    out, resume, records = _setup_files(s)
     if hooks.on_early_plan is not None:
-        _early_gate(s, shape, dp, budget, runtime, hooks.on_early_plan)
+        _setup_early_gate(s, dp, budget, runtime, hooks.on_early_plan)
         planned_at = resident()  # what planning left in the process (the modules it imported, caches) stays
-        if s.memory_budget is None:
-            budget -= max(0, planned_at - runtime)
-        runtime = planned_at
+        budget, runtime = budget.less("what planning left", planned_at - runtime), planned_at
     torch.manual_seed(s.seed)
     # a preset's weights are fixed: the seed is the run's, not the base's. A LoRA's base stays as stored (quant).
     loaded = models.load_model(s.model, as_stored=s.lora)
     models.check_ctx(s.ctx, loaded.model.config)
     windows = data.load_windows(records, loaded.tokenizer, s.ctx, s.batch, pack=s.pack)
-    per_epoch, total = s.optimizer_steps(len(windows))
-    model: torch.nn.Module = loaded.model
-    lora = step.lora_settings(s)
-    if lora is not None:
-        step.refuse_lora_over(model, lora, budget)
-        model = adapters.apply_lora(model, lora, seed=s.seed)
+    s.optimizer_steps(len(windows))  # data too short for --accumulate: refused before tracing
+    model = gate.with_lora(loaded.model, s, budget)
     dp.seed(s.seed)
     # What loading left beside the weights (the tokenizer, the GGUF reader's residue) is the process's too; a model
     # whose weights are mapped lazily (safetensors) keeps the measure from before it loaded.
     runtime = max(runtime, resident() - value_bytes([*model.parameters(), *model.buffers()]))
-
-    before = resident()
-    for name in ("off", "on"):  # traced once for every plan (the gate shows both): what they hold stays, code too
-        step.build(model, shape, name).make_code()
-    trace = resident() - before
-    if s.memory_budget is None:  # the free memory was read before the trace took its share
-        budget -= trace
-    with per_rank(dp.world_size):  # the gate counts one rank's memory: its share of the optimizer state
-        choice = step.choose(model, shape, s.recompute, budget)
-    for p in choice.plans.values():  # the budget covers what the job allocates; the total, the whole process
-        p.runtime, p.trace = runtime, trace
-    if dp.is_main:
-        hooks.on_plan(_answer(choice, budget))
-    graph = step.build(model, shape, choice.policy)
-    preflight(graph, next(model.parameters()).device)
-    tensors = StepInputs.of(model)
-    params = list(tensors.trainable.values())
+    admitted = _setup_gate(s, dp, model, budget, runtime, hooks)
+    params = list(StepInputs.of(model).trainable.values())
     optimizer = dp.optimizer(params, lr=s.learning_rate, weight_decay=0.0)
-    runner = BatchRunner(model, graph, local, hooks)
-
-    losses: list[float] = checkpoints.restore(resume, tensors.trainable, optimizer, rank=dp.rank,
-                                              world_size=dp.world_size) if resume else []
-    bar = tqdm(total=total, initial=len(losses), desc="finetune", unit="step", file=sys.stderr,
-               disable=not progress)
-    start = time.perf_counter()
-    batches, epoch_of_batches, saved = [], -1, []
-    for n in range(len(losses), total):
-        epoch, i = divmod(n, per_epoch)
-        if epoch != epoch_of_batches:
-            batches, epoch_of_batches = data.batches(windows, s.batch, seed=s.seed, epoch=epoch), epoch
-        # No local may hold the grads past the optimizer: zero_grad(set_to_none) must free them before the
-        # next step's graph runs (a held set cost one params-sized copy of process memory).
-        step_loss = set_grads(params, runner, batches[i * s.accumulate:(i + 1) * s.accumulate], dp)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        losses.append(step_loss)
-        tokens = (len(losses) - (resume.step if resume else 0)) * s.accumulate * s.batch * s.ctx
-        bar.set_postfix(loss=f"{step_loss:.4f}", tok_s=f"{tokens / (time.perf_counter() - start):.0f}")
-        bar.update()
-        hooks.on_step({"epoch": epoch, "step": len(losses), "loss": step_loss, "steps": total})
-        if s.save_every and out and len(losses) % s.save_every == 0:
-            saved.append(str(dp.save_checkpoint(out, len(losses), tensors.trainable, optimizer, losses)))
-    bar.close()
-    elapsed = time.perf_counter() - start
-    trained = len(losses) - (resume.step if resume else 0)
-
-    return Receipt(
-        model=loaded.name, losses=losses, recompute=choice.policy != "off", policy=choice.policy,
-        recompute_reason=choice.reason, plan=choice.plan.as_dict(),
-        plans={k: p.as_dict() for k, p in choice.plans.items()},
-        measured=runner.measured.as_dict() if runner.measured else None,
-        process_peak=process_peak(),
-        trainable_parameters=sum(p.numel() for p in params),
-        frozen_parameters=sum(t.numel() for t in tensors.frozen.values()),
-        seconds_per_epoch=elapsed / max(trained, 1) * per_epoch,
-        tokens_per_second=trained * s.accumulate * s.batch * s.ctx / elapsed,
-        chunk_seconds=runner.chunk_seconds,
-        settings={**s.model_dump(), "lr": s.learning_rate, "memory_budget": budget,
-                  "data": s.data if isinstance(s.data, str) or s.data is None else "<records>"},
-        resumed_from=str(resume.path) if resume else None,
-        checkpoints=saved,
-        outputs=save_outputs(model, loaded, s, out) if out and dp.is_main else [],
-        world_size=dp.world_size,
-        optimizer_state_bytes=dp.optimizer_state_bytes(optimizer),
-    )
+    planner = admitted.planner
+    runner = BatchRunner(model, planner.build(admitted.shape, admitted.policy), admitted.settings, hooks,
+                         planner.probes)
+    return _Run(s, dp, hooks, out, resume, loaded, model, windows, admitted, params, optimizer, runner)
 
 
-def _early_gate(s: TrainSettings, shape: step.StepShape, dp: distributed.Ranks, budget: int, runtime: int,
-                show: Callable[[dict], None]) -> None:
-    """The gate on the model's shapes (`step.planning_model`: its config, fake weights), before its weights
-    load: a job that cannot fit is refused before anything of its size is allocated, and the plans show in
-    seconds. Every rank asks (each would refuse alike); the gate runs again once the step is traced."""
+def _setup_files(s: TrainSettings) -> tuple[Path | None, checkpoints.Checkpoint | None, data.Records]:
+    """The output folder (empty, unless resuming), the checkpoint to resume from, the data's records: refused
+    before anything is loaded."""
+    out = Path(s.out) if s.out else None
+    if out and out.exists() and (not out.is_dir() or any(out.iterdir())) and not s.resume:
+        raise UsageError(f"--out {out} exists and is not an empty folder")
+    resume = checkpoints.latest(s.resume) if s.resume else None
+    records = data.Records.of(s.data if s.data is not None else data.default_data_path())
+    return out, resume, records
+
+
+def _setup_early_gate(s: TrainSettings, dp: distributed.Ranks, budget: gate.Budget, runtime: int,
+                      show: Callable[[dict], None]) -> None:
+    """The gate on the model's config (fake weights), before its weights load: a job that cannot fit is refused
+    before anything of its size is allocated, and the plans show in seconds. Every rank asks (each would refuse
+    alike); the gate answers again once the real step is traced."""
     config = models.load_config(s.model)
     models.check_ctx(s.ctx, config)
     try:
-        model = step.planning_model(config, s, budget)
-        with per_rank(dp.world_size):
-            choice = step.choose(model, shape, s.recompute, budget)
+        early = gate.admit(s, budget, world_size=dp.world_size, planners=gate.Planners(config))
     except (RematError, UnsupportedModel):  # the traced gate would say the same, after loading the weights
         raise
     except Exception:  # noqa: BLE001 - a family whose code does not run on fake weights: the traced gate answers
         return
-    for p in choice.plans.values():
+    for p in early.plans.values():
         p.runtime = runtime
     if dp.is_main:
-        show(_answer(choice, budget))
-    del model, choice
+        show(early.answer())
+    del early
     trim_heap()  # what the planning held goes back to the kernel: the trace's share is measured from here
 
 
-def _answer(choice: step.Choice, budget: int) -> dict:
-    return {"policy": choice.policy, "recompute_reason": choice.reason, "budget": budget,
-            "plans": {k: p.as_dict() for k, p in choice.plans.items()}}
+def _setup_gate(s: TrainSettings, dp: distributed.Ranks, model: torch.nn.Module, budget: gate.Budget,
+                runtime: int, hooks: Hooks) -> gate.Admitted:
+    """The gate on the step that will run, traced: its graphs (off and on, the two every answer shows) and their
+    code are made first, so the memory they take (`trace`) is measured and counted."""
+    planner = Planner(model)
+    shape = StepShape.of(dp.local(s))
+    before = resident()
+    for name in ("off", "on"):
+        planner.build(shape, name).make_code()
+    trace = resident() - before
+    admitted = gate.admit(s, budget.less("the trace", trace), world_size=dp.world_size, planner=planner)
+    for p in admitted.plans.values():  # the budget covers what the job allocates; the total, the whole process
+        p.runtime, p.trace = runtime, trace
+    if dp.is_main:
+        hooks.on_plan(admitted.answer())
+    preflight(planner.build(shape, admitted.policy), next(model.parameters()).device)
+    return admitted
+
+
+def _receipt(run: _Run, losses: list[float], first: int, saved: list[str], elapsed: float) -> Receipt:
+    s, dp, admitted, tensors = run.s, run.dp, run.admitted, StepInputs.of(run.model)
+    trained = len(losses) - first
+    per_epoch = s.optimizer_steps(len(run.windows))[0]
+    return Receipt(
+        model=run.loaded.name, losses=losses, recompute=admitted.policy != "off", policy=admitted.policy,
+        recompute_reason=admitted.choice.reason, plan=admitted.plan.as_dict(),
+        plans={k: p.as_dict() for k, p in admitted.plans.items()},
+        measured=run.runner.measured.as_dict() if run.runner.measured else None,
+        process_peak=process_peak(),
+        trainable_parameters=sum(p.numel() for p in run.params),
+        frozen_parameters=sum(t.numel() for t in tensors.frozen.values()),
+        seconds_per_epoch=elapsed / max(trained, 1) * per_epoch,
+        tokens_per_second=trained * s.accumulate * s.batch * s.ctx / elapsed,
+        chunk_seconds=run.runner.chunk_seconds,
+        settings={**s.model_dump(), "lr": s.learning_rate, "memory_budget": admitted.budget.bytes,
+                  "data": s.data if isinstance(s.data, str) or s.data is None else "<records>"},
+        resumed_from=str(run.resume.path) if run.resume else None,
+        checkpoints=saved,
+        outputs=save_outputs(run.model, run.loaded, s, run.out) if run.out and dp.is_main else [],
+        world_size=dp.world_size,
+        optimizer_state_bytes=dp.optimizer_state_bytes(run.optimizer),
+    )
 
 
 def set_grads(params: list[torch.Tensor], runner: BatchRunner, batches: list,

@@ -1,6 +1,6 @@
 """Training jobs: POST /train/plan (plan and gate, nothing queued), POST /train, GET /train, GET/DELETE
-/train/{id}, POST /train/{id}/resume, and the job's events as server-sent events (GET /train/{id}/events,
-resumable with Last-Event-ID)."""
+/train/{id}, POST /train/{id}/cancel and /resume (OpenAI's fine-tuning conventions), and the job's events as
+server-sent events (GET /train/{id}/events, resumable with Last-Event-ID)."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from remat.serve import body
 from remat.serve import generation as gen
 from remat.serve.errors import ApiError, SafeJSONResponse, responses
 from remat.serve.jobs import FINISHED, MAX_EVENT_ID, JobManager
-from remat.serve.schemas import EventList, Job, JobList, Plan, Submitted, TrainRequest
+from remat.serve.schemas import Deleted, EventList, Job, JobList, Plan, Submitted, TrainRequest
 from remat.serve.state import JobsDep
 
 router = APIRouter(tags=["training"])
@@ -63,10 +63,18 @@ async def train_get(job_id: str, jobs: JobsDep):
     return await run_in_threadpool(jobs.get, job_id)
 
 
-@router.delete("/train/{job_id}", response_model=Job, responses=responses(404, 409, 503))
+@router.post("/train/{job_id}/cancel", response_model=Job, responses=responses(404, 409, 503))
 async def train_cancel(job_id: str, jobs: JobsDep):
-    """Cancel a queued job at once, a running one at its next chunk; 409 when it already finished."""
+    """Cancel a queued job at once, a running one at its next chunk; the job stays, `cancelled` (resumable).
+    409 when it already finished."""
     return await run_in_threadpool(jobs.cancel, job_id)
+
+
+@router.delete("/train/{job_id}", response_model=Deleted, responses=responses(404, 409, 503))
+async def train_delete(job_id: str, jobs: JobsDep):
+    """Remove a finished job's record and events (its published adapter or model stays); 409 while it is
+    queued or running: cancel it first."""
+    return await run_in_threadpool(jobs.delete, job_id)
 
 
 @router.post("/train/{job_id}/resume", status_code=202, response_model=Job,

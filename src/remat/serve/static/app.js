@@ -783,7 +783,7 @@ function jobPolicy(j) {
 async function cancelJob(id) {
   showError("#jobs-error", null);
   try {
-    await api("DELETE", `/train/${encodeURIComponent(id)}`);
+    await api("POST", `/train/${encodeURIComponent(id)}/cancel`);
   } catch (e) { showError("#jobs-error", e); }
   refreshJobs();
 }

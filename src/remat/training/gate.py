@@ -1,0 +1,182 @@
+"""The gate: whether a training job may run, and how. Admission in one place.
+
+`admit(settings, budget)` plans the job and answers with the policy that fits and its plan (`Admitted`), or
+refuses with figures (`GateRefused`, exit 3 / HTTP 422). The command line (`remat plan`), the trainer (on
+every torchrun rank: `remat finetune`) and the server (`POST /train`, `/train/plan`) each ask it from one place.
+
+It plans from the model's config, on fake weights (`Planners`: nothing of the model's size is allocated, a LoRA
+whose own state cannot fit refused before PEFT allocates it), or from a planner of the real model (the trainer,
+once its weights are loaded: the step that will run, traced). The budget is one value (`Budget`): the job's own,
+at most the server's, else this machine's free memory shared by the ranks on it, less what the process took
+since it was read (measured).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import transformers
+from torch import nn
+
+from remat.base.settings import GateRefused, TrainSettings
+from remat.core.capture import EagerStridesFakeMode
+from remat.core.plan import Plan, mib
+from remat.core.process import available_memory
+from remat.models import adapters, planned
+from remat.models import load as models
+from remat.training.distributed import Ranks
+from remat.training.step import Choice, Planner, StepShape
+
+
+@dataclass(frozen=True)
+class Budget:
+    """The bytes a job may allocate (its plan's total less the measured `runtime` and `trace`) and where that
+    figure comes from. A budget read from free memory is lessened by what the process takes after the reading
+    (`less`); one that was asked for (`--memory-budget`) is what the job may allocate, whatever the process holds.
+    """
+
+    bytes: int
+    source: str  # "--memory-budget", "the server's budget", "free memory", ...
+    read: bool = False  # from free memory: later growth of the process comes out of it
+    deducted: tuple[tuple[str, int], ...] = ()
+
+    @classmethod
+    def of(cls, asked: int | None = None, *, cap: int | None = None, ranks_here: int = 1) -> Budget:
+        """The job's own budget (`asked`), at most `cap` (the server's); without one, `cap`; without either, the
+        free memory now, shared by the `ranks_here` processes of a data-parallel run on this machine."""
+        if asked is not None and cap is not None and cap < asked:
+            return cls(cap, "the server's budget")
+        if asked is not None:
+            return cls(asked, "--memory-budget")
+        if cap is not None:
+            return cls(cap, "the server's budget")
+        free = available_memory()
+        share = f", shared by {ranks_here} processes" if ranks_here > 1 else ""
+        return cls(free // ranks_here, f"free memory{share}", read=True)
+
+    @classmethod
+    def unlimited(cls) -> Budget:
+        """No limit: plans only (`remat plan` without a budget)."""
+        return cls(1 << 62, "no limit")
+
+    def less(self, what: str, nbytes: int) -> Budget:
+        """Read from free memory: less `nbytes` the process took since (`what`, measured). Asked for: itself."""
+        if not self.read or nbytes <= 0:
+            return self
+        return Budget(self.bytes - nbytes, self.source, True, (*self.deducted, (what, nbytes)))
+
+    def __str__(self) -> str:
+        less = "".join(f", less {what} {mib(n)}" for what, n in self.deducted)
+        return f"{mib(self.bytes)} ({self.source}{less})"
+
+
+@dataclass
+class Admitted:
+    """The gate's answer for a job: the rank's settings and step shape, the budget, the chosen policy with the
+    plans it looked at, and the planner that made them (its model: the planning model, or the real one)."""
+
+    settings: TrainSettings  # one rank's: its share of the global batch
+    shape: StepShape
+    budget: Budget
+    choice: Choice
+    planner: Planner
+    world_size: int = 1
+    early: Admitted | None = field(default=None, repr=False)  # the trainer's: the answer from the config
+
+    @property
+    def policy(self) -> str:
+        return self.choice.policy
+
+    @property
+    def plan(self) -> Plan:
+        return self.choice.plan
+
+    @property
+    def plans(self) -> dict[str, Plan]:
+        return self.choice.plans
+
+    def answer(self) -> dict:
+        """The answer as callers show it: the policy, why, the budget (bytes and source) and every plan."""
+        return {"policy": self.policy, "recompute_reason": self.choice.reason, "budget": self.budget.bytes,
+                "budget_source": str(self.budget), "plans": {k: p.as_dict() for k, p in self.plans.items()}}
+
+
+def admit(s: TrainSettings, budget: Budget, *, world_size: int = 1, planner: Planner | None = None,
+          planners: Planners | None = None) -> Admitted:
+    """Plan the job `s` (its global batch split over `world_size` data-parallel ranks) and choose the fastest
+    policy whose plan fits `budget` (`Planner.choose`), or raise GateRefused with the plans and the smallest.
+
+    The step is planned by `planner` (the trainer's, of the real model), else by one of `planners` (a server's
+    cache of planning models, by LoRA shape), else by a planning model made here from the model's config. Whether
+    the window is within the model's maximum context is the caller's to say (a plan notes it, training refuses).
+    """
+    local = Ranks(world_size=world_size, local_world_size=world_size).local(s)
+    if planner is None:
+        planner = (planners or Planners(models.load_config(s.model))).planner(s, budget)
+    shape = StepShape.of(local)
+    choice = planner.choose(shape, s.recompute, budget.bytes, world_size)
+    return Admitted(local, shape, budget, choice, planner, world_size)
+
+
+def lora_settings(s: TrainSettings) -> adapters.LoraSettings | None:
+    """The adapter the settings ask for; None for full fine-tuning."""
+    return adapters.LoraSettings(s.lora_r, s.lora_alpha, s.lora_dropout, s.lora_targets) if s.lora else None
+
+
+def with_lora(model: nn.Module, s: TrainSettings, budget: Budget) -> nn.Module:
+    """The model with the LoRA `s` asks for (itself, for full fine-tuning), refused first when it cannot fit
+    (`refuse_lora`, from the model's own linear shapes)."""
+    lora = lora_settings(s)
+    if lora is None:
+        return model
+    refuse_lora(s, budget, adapters.linear_shapes(model))
+    return adapters.apply_lora(model, lora, seed=s.seed)
+
+
+def refuse_lora(s: TrainSettings, budget: Budget, linears: list[tuple[str, int, int]]) -> None:
+    """GateRefused when the adapter's weights, grads and optimizer states alone exceed the budget, reckoned from
+    the base's linear layers (name, in, out) before PEFT allocates anything."""
+    lora = lora_settings(s)
+    if lora is None:
+        return
+    need = adapters.state_bytes(linears, lora)
+    why = adapters.over_budget(need, budget.bytes, lora, "--lora-r")
+    if why is not None:
+        raise GateRefused(f"refused: {why}", extra={"lora_bytes": need})
+
+
+class Planners:
+    """Planners of one model's config on fake weights (shapes and dtypes, no weights), one per LoRA shape: the
+    server keeps one for the model it serves (the plans of every shape a client asked for stay in them); a
+    command makes one for its job. The base's linear layer shapes, for the LoRA's own gate, are read once."""
+
+    def __init__(self, config: transformers.PretrainedConfig):
+        self.config = config
+        self._planners: dict[tuple | None, Planner] = {}
+        self._linears: list[tuple[str, int, int]] | None = None
+
+    def planner(self, s: TrainSettings, budget: Budget) -> Planner:
+        """The planner of the model `s` trains (its LoRA attached), the LoRA gated against `budget` first."""
+        refuse_lora(s, budget, self.linears())
+        lora = lora_settings(s)
+        key = None if lora is None else (lora.r, lora.alpha, lora.dropout, tuple(lora.targets or ()), s.weights)
+        if key not in self._planners:
+            # quant: the frozen weights as the loaded model will hold them (a GGUF's blocks; --weights' mix)
+            model = planned.plan_as_stored(self.base(), s.model, s.weights, lora is not None)
+            self._planners[key] = Planner(model if lora is None else adapters.apply_lora(model, lora, seed=s.seed))
+        return self._planners[key]
+
+    def linears(self) -> list[tuple[str, int, int]]:
+        if self._linears is None:
+            self._linears = adapters.linear_shapes(self.base())
+        return self._linears
+
+    def base(self) -> nn.Module:
+        """A new planning model of the base: fake weights, as training would hold it."""
+        with EagerStridesFakeMode(allow_non_fake_inputs=True):
+            return models.build_from_config(self.config, seed=0)
+
+    def forget_graphs(self) -> None:
+        """Each planner's `forget_graphs`: plans kept, graphs dropped."""
+        for planner in self._planners.values():
+            planner.forget_graphs()
