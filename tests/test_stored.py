@@ -255,3 +255,11 @@ def test_budget_mode_saves_back_no_float_copy(gguf_path):
     # its probe planned what the graph holds: had it saved back a float copy, which the rewrite never keeps,
     # the two would differ
     assert plan(planner.build(shape, choice.policy)).total == choice.plan.total
+
+
+def test_full_fine_tuning_of_a_gguf_is_planned_in_float32_and_says_so(gguf_path):
+    s = TrainSettings(model=str(gguf_path), ctx=CTX, lora=False)
+    with pytest.warns(Note, match="full fine-tuning trains float32 copies of the stored"):
+        planned = planner_of(s).plans(StepShape.of(s), ("off",))["off"]
+    assert planned.frozen == 256  # the rotary tables (buffers) alone: every weight trains, float32
+    assert planned.params == sum(p.nbytes for p in transformers_model(gguf_path).parameters())
