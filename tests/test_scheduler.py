@@ -60,9 +60,9 @@ def test_overlap_stays_within_the_bound(ppm):
         while time.monotonic() < end:
             s.decode_begin()
             t0 = time.monotonic()
-            for _ in range(4):  # a 20 ms request, reported token by token
+            for _ in range(4):  # a 20 ms request, reported step by step
                 time.sleep(0.005)
-                s.tokens(1, 0.005)
+                s.step(1, 0.005)
             s.decode_end()
             busy.append((t0, time.monotonic()))
             time.sleep(0.001)  # a short gap between requests: not long enough for a chunk
@@ -122,28 +122,35 @@ def test_windows_p50_p95_and_since():
     assert Scheduler().stats()["window_p50"] is None
 
 
-def test_view_and_measured_slowdown():
+def test_view_and_measured_slowdown_by_batch_size():
     s = Scheduler()
     assert s.view().busy_slots == 0 and s.view().idle_ms >= 0
     s.decode_begin()
     s.decode_begin()
-    s.tokens(100, 1.0)  # 100 tok/s with no training
+    for _ in range(10):
+        s.step(2, 0.1)  # a batch of two: 0.1 s a step with no training
+    s.step(1, 0.05)  # a batch of one is faster a step, training or not
     view = s.view()
-    assert (view.busy_slots, view.idle_ms, view.tokens_generated) == (2, 0.0, 100)
+    assert (view.busy_slots, view.idle_ms, view.tokens_generated) == (2, 0.0, 21)
     assert s.stats()["slowdown_source"] == "overlap_fraction"
     s.decode_end()
     s.decode_end()
     s.decode_end()  # an unmatched end is ignored
     time.sleep(0.02)
     assert s.view().busy_slots == 0 and s.view().idle_ms >= 15
+    mark = s.mark()
     s.before_chunk(lambda: False)  # idle: admitted at once; a chunk now runs
-    s.tokens(50, 1.0)  # 50 tok/s while it runs
+    for _ in range(4):
+        s.step(2, 0.15)  # the same batch of two while it runs: 50% slower a step
+    s.step(3, 1.0)  # a batch size never seen clean: left out (there is nothing to compare it with)
     s.chunk_done(0.01)
     stats = s.stats()
-    # 150 tokens took 2 s; at the clean 100 tok/s they would have taken 1.5 s: 33% slower
+    # batches of two took 1.0 + 0.6 s for 14 steps (0.1 s a step clean: 1.4 s), of one 0.05 s as clean ones do
     assert stats["slowdown_source"] == "measured"
-    assert stats["slowdown_ppm"] == pytest.approx(333_333, abs=1)
-    assert s.view().tokens_generated == 150
+    assert stats["slowdown_ppm"] == pytest.approx((1.6 + 0.05) / (1.4 + 0.05) * 1e6 - 1e6, abs=1)
+    assert s.view().tokens_generated == 21 + 8 + 3
+    # since the mark there were no clean steps: the overlap fraction stands in
+    assert s.stats(since=mark)["slowdown_source"] == "overlap_fraction"
 
 
 def test_rejects_bad_bound():

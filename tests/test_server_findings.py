@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from remat.serve.engine import SamplingParams, sample
+from remat.serve.sampling import Row, Sampling, pick
 from serve_process import Server
 from test_serve import BAD_INPUTS, CAT, cat_job
 
@@ -88,15 +88,16 @@ def test_out_of_bounds_scale_in_an_old_state_db_is_reset(tmp_path):
 
 
 def test_sampling_survives_inf_and_nan_logits():
-    gen = torch.Generator().manual_seed(0)
-    p = SamplingParams(temperature=0.8)
+    row = Row(Sampling(temperature=0.8), torch.Generator().manual_seed(0))
     logits = torch.randn(259)
     for bad in (math.inf, -math.inf, math.nan):
         x = logits.clone()
         x[3] = bad
-        assert 0 <= sample(x, p, gen) < 259
-    assert 0 <= sample(torch.full((259,), math.nan), p, gen) < 259
-    assert sample(torch.full((259,), math.inf), p, gen) in range(259)
+        assert 0 <= pick(x.unsqueeze(0), [row]).tokens[0] < 259
+    assert 0 <= pick(torch.full((1, 259), math.nan), [row]).tokens[0] < 259
+    assert pick(torch.full((1, 259), math.inf), [row]).tokens[0] in range(259)
+    banned = Row(Sampling(temperature=0.8, logit_bias=tuple((t, -math.inf) for t in range(259))), row.generator)
+    assert pick(logits.unsqueeze(0), [banned]).tokens[0] in range(259)  # every token banned: still one
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -1,5 +1,6 @@
 """The OpenAPI document describes the server: every route's request, answers and errors; schemathesis
-(`--checks all`) against a real server finds no failure of any kind."""
+(`--checks all`, every phase: examples, coverage, fuzzing and stateful) against a real server finds no failure
+of any kind."""
 
 from __future__ import annotations
 
@@ -89,7 +90,13 @@ def test_every_route_documents_its_answers_and_errors():
     # the served model's bounds (tiny-llama: a context of 2048 tokens, 259 token ids), as the server checks them
     schemas = doc["components"]["schemas"]
     text, ids = schemas["CompletionRequest"]["properties"]["prompt"]["anyOf"]
-    assert text["maxLength"] == 32 * 2048 and ids["maxItems"] == 2047 and ids["items"]["maximum"] == 258
+    token, item_text, mixed, _ = ids["items"]["anyOf"]  # a token id, a text, a prompt of both, llama.cpp's object
+    assert text["maxLength"] == item_text["maxLength"] == 32 * 2048 and ids["maxItems"] == 2047
+    assert token["maximum"] == mixed["items"]["anyOf"][0]["maximum"] == 258
+    # a field remat does not implement is documented with the only values it takes; n with --parallel (1 here)
+    chat = schemas["ChatRequest"]["properties"]
+    assert chat["mirostat"]["enum"] == [0, None] and "not supported" in chat["mirostat"]["description"]
+    assert chat["n"]["anyOf"][0]["maximum"] == 1 and chat["tools"]["enum"] == [[], None]
     assert schemas["TokenizeRequest"]["properties"]["content"]["maxLength"] == 32 * 2048
     assert schemas["DetokenizeRequest"]["properties"]["tokens"]["items"]["maximum"] == 258
     events = {p["name"]: p for p in doc["paths"]["/train/{job_id}/events"]["get"]["parameters"]}
@@ -117,7 +124,7 @@ def test_schemathesis_finds_no_failure(server, tmp_path):
     config = tmp_path / "schemathesis.toml"
     config.write_text(CONFIG)
     cmd = [schemathesis_cli(), "--config-file", str(config), "run", f"http://127.0.0.1:{server.port}/openapi.json",
-           "--checks", "all", "--phases", "coverage,fuzzing", "--max-examples", "2", "--seed", "19",
+           "--checks", "all", "--phases", "examples,coverage,fuzzing,stateful", "--max-examples", "2", "--seed", "19",
            "--no-shrink", "--workers", "1", "--request-timeout", "30"]
     try:
         out = subprocess.run(cmd, capture_output=True, text=True, timeout=600, check=False, cwd=tmp_path)

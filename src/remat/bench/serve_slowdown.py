@@ -10,7 +10,7 @@ baseline, training, baseline, training (B T B T, so that drift of a shared machi
 - baseline: two clients loop greedy chat completions (max_tokens 16) for `--seconds`;
 - training: a LoRA job (a few records of the bundled corpus, ctx 64, more steps than it will get) is
   submitted with `recompute` true/false; once it is running and has taken a step, the same client loop
-  runs for `--seconds`; then the job is cancelled (DELETE) and its report read (GET /train/{id}).
+  runs for `--seconds`; then the job is cancelled (POST /train/{id}/cancel) and its report read (GET /train/{id}).
 
 Decode tokens/s is taken from each response's `timings` (predicted_n / predicted_ms: decoding only,
 prefill and queueing left out), pooled over a phase. The client slowdown is
@@ -76,12 +76,12 @@ class Client:
         return out
 
 
-def start_server(args: argparse.Namespace, state_dir: Path, log_path: Path,
-                 src: Path = ROOT / "src") -> tuple[subprocess.Popen, Client]:
+def start_server(args: argparse.Namespace, state_dir: Path, log_path: Path, src: Path = ROOT / "src",
+                 parallel: int = CONCURRENCY) -> tuple[subprocess.Popen, Client]:
     """`remat serve` from the checkout whose sources are `src`, ready (its /health answers 200)."""
     port = free_port()
     cmd = [sys.executable, "-m", "remat", "serve", "--port", str(port), "--state-dir", str(state_dir),
-           "--parallel", str(CONCURRENCY), "--max-slowdown-ppm", str(args.max_slowdown_ppm),
+           "--parallel", str(parallel), "--max-slowdown-ppm", str(args.max_slowdown_ppm),
            "--threads", str(args.threads)]
     if args.model:
         cmd += ["--model", args.model]
@@ -175,9 +175,9 @@ def job(client: Client, recompute: bool, records: list[dict], ctx: int) -> str:
 
 
 def finish_job(client: Client, job_id: str) -> dict:
-    status, out = client.request("DELETE", f"/train/{job_id}")
+    status, out = client.request("POST", f"/train/{job_id}/cancel")
     if status not in (200, 409):
-        raise RuntimeError(f"DELETE /train/{job_id}: HTTP {status}: {out}")
+        raise RuntimeError(f"POST /train/{job_id}/cancel: HTTP {status}: {out}")
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:
         j = client.ok("GET", f"/train/{job_id}")

@@ -26,7 +26,7 @@ from fastapi import FastAPI
 from starlette.concurrency import run_in_threadpool
 
 from remat.base.settings import DEFAULT_SLOWDOWN_PPM, VERSION, ServeSettings
-from remat.serve import errors, openapi, page, schemas
+from remat.serve import errors, openapi, page, params
 from remat.serve.middleware import BODY_TIMEOUT, ApiKeyMiddleware, BodyLimitMiddleware, HeadMiddleware
 from remat.serve.routes import ROUTERS
 from remat.serve.state import Server
@@ -65,7 +65,7 @@ def create_app(*, model: str | None = None, parallel: int = SERVE["parallel"], a
     app = openapi.App(title="remat", version=VERSION, lifespan=lifespan,
                       default_response_class=errors.SafeJSONResponse,
                       description="Serve a model and fine-tune it: llama.cpp's and OpenAI's API shapes.")
-    app.state.bodies = _bodies(model, n_ctx)
+    app.state.bodies = _bodies(model, n_ctx, parallel)
     app.state.server = Server(model=model, parallel=parallel, max_slowdown_ppm=max_slowdown_ppm,
                               memory_budget=memory_budget, state_dir=Path(state_dir), n_ctx=n_ctx,
                               on_load_error=on_load_error)
@@ -80,8 +80,8 @@ def create_app(*, model: str | None = None, parallel: int = SERVE["parallel"], a
     return app
 
 
-def _bodies(model: str | None, n_ctx: int | None) -> dict:
-    """The request models as the served model bounds them (`schemas.bounded`), from its config (no weights);
+def _bodies(model: str | None, n_ctx: int | None, parallel: int) -> dict:
+    """The request models as the served model bounds them (`params.bounded`), from its config (no weights);
     the unbounded ones when the config cannot be read (the load reports why, in the background)."""
     from remat.models.load import load_config, max_ctx
 
@@ -89,7 +89,8 @@ def _bodies(model: str | None, n_ctx: int | None) -> dict:
         config = load_config(model)
     except Exception:  # noqa: BLE001 - a bad model fails to load, and /health says why
         return {}
-    return schemas.bounded(schemas.Limits(n_ctx=n_ctx or max_ctx(config), vocab=int(config.vocab_size)))
+    limits = params.Limits(n_ctx=n_ctx or max_ctx(config), vocab=int(config.vocab_size), parallel=parallel)
+    return params.bounded(limits)
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -1,20 +1,26 @@
-"""What the generation routes share: sampling settings from a request, decoding in a worker thread that
-stops when the client leaves (streaming or not), server-sent events, and the OpenAPI text of a stream."""
+"""What the generation routes share: decoding settings from a request (`decoding`), running a generation and
+reading its events on the event loop (`events`, `whole`; a client that hangs up stops it), server-sent events,
+and the OpenAPI text of a stream."""
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
-import threading
+import math
+from collections.abc import AsyncGenerator
+from typing import Any
 
 from fastapi import Request
 from fastapi.responses import StreamingResponse
-from starlette.concurrency import run_in_threadpool
 
 from remat.base.settings import one_line
-from remat.serve.engine import Generation, SamplingParams
-from remat.serve.errors import ApiError, error_body
+from remat.serve.decoding import Event, Generation, Params
+from remat.serve.engine import Engine
+from remat.serve.errors import ApiError, error_body, invalid
+from remat.serve.params import Sampled
+from remat.serve.sampling import SAMPLERS, Sampling, sampler_names
 
 log = logging.getLogger("remat.serve")
 
@@ -27,7 +33,7 @@ SSE_EVENT = {"type": "object", "properties": {
     "event": {"type": "string"}, "id": {"type": "string"}, "retry": {"type": "integer"}}}
 
 
-def streams(model: type, what: str) -> dict:
+def streams(model: Any, what: str) -> dict:
     """OpenAPI `responses[200]` of a route that answers JSON, or server-sent events with `stream: true`."""
     return {200: {"model": model, "description": f"{what}; with `stream: true`, server-sent events",
                   "content": {"text/event-stream": {"schema": SSE_EVENT}}}}
@@ -47,23 +53,60 @@ def event_stream(events) -> StreamingResponse:
     return StreamingResponse(events, media_type="text/event-stream", headers=SSE_HEADERS)
 
 
-def sampling(body, n_predict: int | None, stop: str | list[str] | None) -> SamplingParams:
-    seed = getattr(body, "seed", None)
-    return SamplingParams(
-        n_predict=-1 if n_predict is None else n_predict,
-        temperature=body.temperature, top_k=body.top_k, top_p=body.top_p, min_p=body.min_p,
-        seed=-1 if seed is None else seed, stop=[] if stop is None else [stop] if isinstance(stop, str) else list(stop),
-        lora=[x.model_dump() for x in body.lora] if body.lora is not None else None,
-    )
+# ---------------------------------------------------------------------------------------------------------
+# settings
 
 
-def finish_reason(g: Generation) -> str:
-    return "length" if g.stop_type == "limit" else "stop"
+_SAMPLING = [f.name for f in dataclasses.fields(Sampling)
+             if f.name not in ("logit_bias", "samplers", "logprobs", "post_sampling_probs", "typical_p")]
 
 
-def usage(g: Generation) -> dict:
-    return {"prompt_tokens": g.n_prompt, "completion_tokens": g.n_predicted,
-            "total_tokens": g.n_prompt + g.n_predicted}
+def decoding(e: Engine, body: Sampled, logprobs: int | None) -> Params:
+    """The decoding settings of a request (llama.cpp's defaults for what it leaves out). `logprobs`: how many
+    top log-probabilities to report with each token (None: none). Token ids and texts in `logit_bias` and
+    `stop` are checked against the served model here."""
+    given = {name: getattr(body, name) for name in _SAMPLING if getattr(body, name) is not None}
+    typical = body.typical_p if body.typical_p is not None else body.typ_p
+    if typical is not None:
+        given["typical_p"] = typical
+    bias = _logit_bias(e, body)
+    if body.ignore_eos:  # llama.cpp bans the end-of-generation tokens
+        bias += [(t, -math.inf) for t in sorted(e.eos_ids)]
+    sampling = dataclasses.replace(
+        Sampling(), **given, logit_bias=tuple(bias), logprobs=logprobs,
+        post_sampling_probs=bool(body.post_sampling_probs),
+        samplers=SAMPLERS if body.samplers is None else sampler_names(body.samplers))
+    stop = [] if body.stop is None else [body.stop] if isinstance(body.stop, str) else body.stop
+    stop_ids = [s for s in stop if isinstance(s, int)]
+    e.check_tokens(stop_ids)
+    max_new = body.max_new
+    return Params(sampling=sampling, n_predict=-1 if max_new is None else max_new,
+                  stop=tuple(s for s in stop if isinstance(s, str)), stop_ids=frozenset(stop_ids),
+                  seed=-1 if body.seed is None else body.seed, ignore_eos=bool(body.ignore_eos),
+                  t_max_predict_ms=body.t_max_predict_ms or 0,
+                  lora=None if body.lora is None else tuple((x.id, x.scale) for x in body.lora))
+
+
+def _logit_bias(e: Engine, body: Sampled) -> list[tuple[int, float]]:
+    """llama.cpp's forms: [[token or text, bias or false], ...] or {token or text: bias or false}; a text
+    biases each of its tokens."""
+    if body.logit_bias is None:
+        return []
+    items = body.logit_bias.items() if isinstance(body.logit_bias, dict) else body.logit_bias
+    out: list[tuple[int, float]] = []
+    n = e.vocab_size()
+    for key, bias in items:
+        value = -math.inf if bias is False else float(bias)
+        ids = [int(key)] if isinstance(key, int) or key.isdigit() else e.tokenize(key)
+        bad = [t for t in ids if not 0 <= t < n]
+        if bad:
+            raise invalid("logit_bias", f"logit_bias: token id {bad[0]} is out of the vocabulary (0..{n - 1})")
+        out += [(t, value) for t in ids]
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------------
+# running
 
 
 async def _disconnected(request: Request) -> None:
@@ -74,54 +117,54 @@ async def _disconnected(request: Request) -> None:
             return
 
 
-async def run_whole(g: Generation, request: Request) -> None:
-    """Decode to the end in a worker thread; a client that hangs up stops it at the next token."""
-    work = asyncio.ensure_future(run_in_threadpool(g.run))
-    gone = asyncio.ensure_future(_disconnected(request))
-    try:
-        await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        gone.cancel()
-        if not work.done():
-            g.cancel.set()
-    await work
-
-
-async def pieces(g: Generation):
-    """Run the generation in its own thread; yield ("piece", text) ... then ("end", None) or ("error", e).
-
-    The client going away cancels the generation at the next token.
-    """
+async def events(g: Generation) -> AsyncGenerator[Event, None]:
+    """Start `g` and yield its events up to `end` (or `error`). Closing the iterator (the client left)
+    cancels it."""
     loop = asyncio.get_running_loop()
-    queue: asyncio.Queue = asyncio.Queue()
+    queue: asyncio.Queue[Event] = asyncio.Queue()
 
-    def put(item) -> None:
+    def sink(ev: Event) -> None:  # the decode loop's thread
         try:
-            loop.call_soon_threadsafe(queue.put_nowait, item)
+            loop.call_soon_threadsafe(queue.put_nowait, ev)
         except RuntimeError:  # the loop is gone: the server is shutting down
             g.cancel.set()
 
-    def work() -> None:
-        try:
-            for piece in g:
-                put(("piece", piece))
-            put(("end", None))
-        except BaseException as e:  # noqa: BLE001 - reported to the client as an error event
-            put(("error", e))
-
-    threading.Thread(target=work, name="remat-decode", daemon=True).start()
+    g.start(sink)
     try:
         while True:
-            item = await queue.get()
-            yield item
-            if item[0] != "piece":
+            ev = await queue.get()
+            yield ev
+            if ev.kind in ("end", "error"):
                 return
     finally:
         g.cancel.set()
 
 
-def stream_error(e: BaseException) -> dict:
+async def whole(g: Generation, request: Request) -> None:
+    """Decode `g` to the end; a client that hangs up stops it at the next token. Raises what decoding raised."""
+    gone = asyncio.ensure_future(_disconnected(request))
+    stream = events(g)
+    try:
+        while True:
+            nxt = asyncio.ensure_future(anext(stream))
+            await asyncio.wait({nxt, gone}, return_when=asyncio.FIRST_COMPLETED)
+            if not nxt.done():
+                nxt.cancel()
+                return
+            ev = nxt.result()
+            if ev.kind == "error":
+                raise ev.error if isinstance(ev.error, ApiError) else RuntimeError(f"generation failed: {ev.error}")
+            if ev.kind == "end":
+                return
+    finally:
+        gone.cancel()
+        g.cancel.set()
+        await stream.aclose()
+
+
+def stream_error(e: BaseException | None) -> dict:
     if isinstance(e, ApiError):
         return e.body()
     log.error("generation failed: %s: %s", type(e).__name__, e)
-    return error_body(500, f"generation failed: {type(e).__name__}: {one_line(e)}", "server_error")
+    why = f"{type(e).__name__}: {one_line(e)}" if e is not None else "unknown"
+    return error_body(500, f"generation failed: {why}", "server_error")

@@ -286,13 +286,16 @@ class JobManager:
         """The gate on the graph the job will run, planned on fake tensors (no weights) against the job's budget
         (its own `memory_budget` at most the server's): the policy that fits, why, and the plans; 422 with the
         figures when nothing fits."""
-        budget = gate.Budget.of(s.memory_budget, cap=self.memory_budget)
+        server = gate.Budget(self.memory_budget, "the server's --memory-budget") if self.memory_budget else \
+            gate.Budget.of()
+        budget = gate.Budget.of(s.memory_budget, cap=server)
         planners = self._planners_of_model()
         with self.torch.planning():
             try:
                 admitted = gate.admit(s, budget, planners=planners)
             except GateRefused as e:
-                raise _refused(str(e), {"plans": e.plans, "budget": budget.bytes, **e.extra}) from None
+                plans = {"plans": e.plans} if e.plans else {}  # none: the LoRA alone was refused, from shapes
+                raise _refused(str(e), {**plans, "budget": budget.bytes, **e.extra}) from None
             except adapters.AdapterError as e:
                 raise invalid("lora", str(e)) from None
             except models.ModelError as e:

@@ -39,8 +39,13 @@ def _serving(metric: _Out, srv) -> None:
     decode_s = st.get("decode_seconds", 0.0)
     metric("decode_tokens_per_second", "gauge", "Generated tokens per second of decoding, per request.",
            float(st.get("tokens_predicted", 0) / decode_s) if decode_s else 0.0)
-    metric("requests_processing", "gauge", "Requests decoding now (busy slots).", e.slots.busy if e else 0)
-    metric("requests_deferred", "gauge", "Requests waiting for a slot.", e.slots.waiting if e else 0)
+    metric("decode_steps_total", "counter", "Decode steps (one forward over the batch of decoding sequences).",
+           st.get("decode_steps", 0))
+    metric("decode_rows_total", "counter", "Sequences over all decode steps (over the steps: the mean batch).",
+           st.get("decode_rows", 0))
+    metric("requests_processing", "gauge", "Sequences decoding now (busy slots).", e.decoder.busy if e else 0)
+    metric("requests_deferred", "gauge", "Sequences waiting for a slot.", e.decoder.waiting if e else 0)
+    metric("kv_cache_bytes", "gauge", "Bytes the decode slots' KV caches hold.", e.kv_cache_bytes() if e else 0)
     metric("slots_total", "gauge", "Requests that may decode at once (--parallel).", srv.parallel)
     metric("model_loaded", "gauge", "1 once the model is loaded.", int(bool(e and e.ready.is_set())))
 

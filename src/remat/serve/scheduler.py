@@ -24,12 +24,14 @@ Before each chunk the trainer calls `before_chunk`, which reads the serving view
 Overlap is counted exactly: a chunk's overlap is the decode-busy time that passed while it ran, so a
 chunk started while idle that a new request then runs into is charged too.
 
-Measured slowdown (`stats()["slowdown_ppm"]`): the serving engine reports decoded tokens with the wall
-time they took (`tokens(n, seconds)`); a sample that overlapped a running chunk counts as "overlap",
-the rest as "clean". When both kinds have samples, the slowdown is how much longer all decoding took
-than it would have at the clean tokens/s (`slowdown_source: "measured"`). Until then it is the overlap
-fraction, overlap / busy time, which bounds the slowdown when a chunk at most stalls decoding for its
-own length (`slowdown_source: "overlap_fraction"`).
+Measured slowdown (`stats()["slowdown_ppm"]`): the decode loop reports each step, one forward over the
+batch of decoding sequences, with its batch size and wall time (`step(rows, seconds)`); a step that
+overlapped a running chunk counts as "overlap", the rest as "clean", by batch size (a batch of four takes
+longer per step than a batch of one, training or not). When some batch size has steps of both kinds, the
+slowdown is how much longer all decoding took than it would have at the clean time per step of each batch
+size (`slowdown_source: "measured"`; batch sizes with no clean steps are left out). Until then it is the
+overlap fraction, overlap / busy time, which bounds the slowdown when a chunk at most stalls decoding for
+its own length (`slowdown_source: "overlap_fraction"`).
 
 Each chunk's wall time is also the window a new request may wait behind it; p50/p95 are reported.
 """
@@ -67,10 +69,34 @@ class Totals:
     waited: float = 0.0  # seconds the trainer slept in before_chunk
     busy: float = 0.0  # seconds with at least one slot decoding
     overlap: float = 0.0  # seconds a chunk ran while a slot was decoding
-    clean_tokens: int = 0
-    clean_seconds: float = 0.0
-    overlap_tokens: int = 0
-    overlap_seconds: float = 0.0
+    # decode steps by batch size: [steps, seconds] that ran clear of training, and that overlapped a chunk
+    clean: dict[int, list[float]] = dataclasses.field(default_factory=dict)
+    overlapped: dict[int, list[float]] = dataclasses.field(default_factory=dict)
+
+    def copy(self) -> Totals:
+        return dataclasses.replace(self, clean={k: list(v) for k, v in self.clean.items()},
+                                   overlapped={k: list(v) for k, v in self.overlapped.items()})
+
+    def minus(self, base: Totals) -> Totals:
+        def steps(a: dict, b: dict) -> dict:
+            return {k: [v[0] - b.get(k, [0, 0])[0], v[1] - b.get(k, [0, 0])[1]] for k, v in a.items()}
+        return Totals(self.chunks - base.chunks, self.waited - base.waited, self.busy - base.busy,
+                      self.overlap - base.overlap, steps(self.clean, base.clean),
+                      steps(self.overlapped, base.overlapped))
+
+    def slowdown(self) -> float | None:
+        """How much longer decoding took than it would have at the clean time per step of each batch size
+        (batch sizes never seen clean are left out); None until some batch size has steps of both kinds."""
+        took = would_take = 0.0
+        both = False
+        for rows, (clean_n, clean_s) in self.clean.items():
+            if clean_n <= 0 or clean_s <= 0:
+                continue
+            n, seconds = self.overlapped.get(rows, (0, 0.0))
+            both = both or n > 0
+            took += clean_s + seconds
+            would_take += (clean_n + n) * clean_s / clean_n
+        return max(0.0, took / would_take - 1) if both else None
 
 
 class Scheduler:
@@ -114,17 +140,16 @@ class Scheduler:
                 self._t.busy += now - self._busy_since
                 self._last_end = now
 
-    def tokens(self, n: int, seconds: float) -> None:
-        """`n` tokens were decoded in `seconds` of wall time ending now."""
+    def step(self, rows: int, seconds: float) -> None:
+        """A decode step of a batch of `rows` sequences (one token each) took `seconds`, ending now."""
         with self._lock:
             now = time.monotonic()
-            self._tokens += n
-            if self._chunk_start is not None or self._last_chunk_end > now - seconds:
-                self._t.overlap_tokens += n
-                self._t.overlap_seconds += seconds
-            else:
-                self._t.clean_tokens += n
-                self._t.clean_seconds += seconds
+            self._tokens += rows
+            overlapped = self._chunk_start is not None or self._last_chunk_end > now - seconds
+            kind = self._t.overlapped if overlapped else self._t.clean
+            total = kind.setdefault(rows, [0, 0.0])
+            total[0] += 1
+            total[1] += seconds
 
     def view(self) -> ServingView:
         with self._lock:
@@ -179,14 +204,11 @@ class Scheduler:
             now = self._snapshot(time.monotonic())
             windows = list(self._windows)
             slots = self._slots
-        base = since or Totals()
-        d = Totals(**{f.name: getattr(now, f.name) - getattr(base, f.name) for f in dataclasses.fields(Totals)})
+        d = now.minus(since or Totals())
         windows = windows[len(windows) - min(d.chunks, len(windows)):]
-        if d.clean_tokens and d.clean_seconds > 0 and d.overlap_tokens and d.overlap_seconds > 0:
-            clean_rate = d.clean_tokens / d.clean_seconds
-            took = d.clean_seconds + d.overlap_seconds
-            would_take = (d.clean_tokens + d.overlap_tokens) / clean_rate
-            slowdown, source = max(0.0, took / would_take - 1), "measured"
+        measured = d.slowdown()
+        if measured is not None:
+            slowdown, source = measured, "measured"
         else:
             slowdown, source = (d.overlap / d.busy if d.busy > 0 else 0.0), "overlap_fraction"
         return {
@@ -205,7 +227,9 @@ class Scheduler:
     # ---------------------------------------------------------------- internals (hold the lock)
 
     def _snapshot(self, now: float) -> Totals:
-        return dataclasses.replace(self._t, busy=self._busy_at(now))
+        snap = self._t.copy()
+        snap.busy = self._busy_at(now)
+        return snap
 
     def _busy_at(self, now: float) -> float:
         return self._t.busy + (now - self._busy_since if self._slots else 0.0)

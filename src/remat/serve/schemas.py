@@ -10,8 +10,6 @@ tokenized or stored. A training job's fields are `TrainSettings`' fields (one de
 
 from __future__ import annotations
 
-import functools
-from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, RootModel, create_model, model_validator
@@ -73,65 +71,8 @@ class LoraScale(Body):
     scale: Scale = 1.0
 
 
-class CompletionRequest(Body):
-    """llama.cpp's /completion."""
-
-    prompt: Annotated[Text, Field(min_length=1)] | Annotated[list[TokenId], Field(min_length=1)]
-    n_predict: Annotated[int, Field(ge=-1, le=2**31 - 1)] = -1
-    temperature: Temperature = 0.8
-    top_k: Annotated[int, Field(ge=0, le=2**31 - 1)] = 40
-    top_p: Probability = 0.95
-    min_p: Probability = 0.05
-    seed: Seed = -1
-    stop: list[Text] = []
-    stream: bool = False
-    lora: list[LoraScale] | None = None
-    cache_prompt: bool = True  # accepted for llama.cpp clients; every request evaluates its prompt
-    return_tokens: bool = False
-
-
 class LoraScales(RootModel[list[LoraScale]]):
     """Every adapter's scale (POST /lora-adapters); unlisted adapters go to 0."""
-
-
-class StreamOptions(Body):
-    include_usage: bool = False
-
-
-class OpenAIParams(Body):
-    model: Text | None = None  # accepted and ignored: one model is served
-    max_tokens: Annotated[int, Field(ge=0, le=2**31 - 1)] | None = None
-    temperature: Temperature = 0.8
-    top_p: Probability = 0.95
-    top_k: Annotated[int, Field(ge=0, le=2**31 - 1)] = 40
-    min_p: Probability = 0.05
-    seed: Seed | None = None
-    stop: Text | list[Text] | None = None
-    stream: bool = False
-    stream_options: StreamOptions | None = None
-    n: Annotated[int, Field(ge=1, le=1)] = 1
-    user: Text | None = None
-    lora: list[LoraScale] | None = None
-
-
-class CompletionsRequest(OpenAIParams):
-    prompt: Annotated[Text, Field(min_length=1)] | Annotated[list[TokenId], Field(min_length=1)]
-
-
-class TextPart(Body):
-    type: Literal["text"]
-    text: Text
-
-
-class ChatMessage(Body):
-    role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: Text | list[TextPart] | None = None
-    name: Text | None = None
-
-
-class ChatRequest(OpenAIParams):
-    messages: Annotated[list[ChatMessage], Field(min_length=1)]
-    max_completion_tokens: Annotated[int, Field(ge=0, le=2**31 - 1)] | None = None
 
 
 class TokenizeRequest(Body):
@@ -246,43 +187,6 @@ class TrainRequest(TrainFields):
 
 
 # ---------------------------------------------------------------------------------------------------------
-# the served model's bounds
-
-
-@dataclass(frozen=True)
-class Limits:
-    """What the served model bounds in a request by itself: its context (tokens) and vocabulary."""
-
-    n_ctx: int
-    vocab: int
-
-    @property
-    def max_chars(self) -> int:
-        """The longest text the server tokenizes: CHARS_PER_TOKEN per token of the context."""
-        return CHARS_PER_TOKEN * self.n_ctx
-
-
-@functools.cache
-def bounded(limits: Limits) -> dict[type[BaseModel], type[BaseModel]]:
-    """The request models with the served model's bounds, by the model each one narrows: a token id is in
-    the vocabulary, a prompt of token ids is shorter than the context, a text is at most `max_chars`
-    characters (a longer one is refused untokenized) and so are token ids to detokenize. The server
-    validates with these and documents these (same names), so what the document allows, it takes."""
-    token = Annotated[int, Field(ge=0, le=max(0, limits.vocab - 1))]
-    text = Annotated[Text, Field(max_length=min(limits.max_chars, MAX_TEXT))]
-    prompt: Any = (Annotated[text, Field(min_length=1)]
-                   | Annotated[list[token], Field(min_length=1, max_length=max(1, limits.n_ctx - 1))], ...)
-    return {
-        CompletionRequest: create_model("CompletionRequest", __base__=CompletionRequest,
-                                        __doc__=CompletionRequest.__doc__, prompt=prompt),
-        CompletionsRequest: create_model("CompletionsRequest", __base__=CompletionsRequest, prompt=prompt),
-        TokenizeRequest: create_model("TokenizeRequest", __base__=TokenizeRequest, content=(text, ...)),
-        DetokenizeRequest: create_model("DetokenizeRequest", __base__=DetokenizeRequest,
-                                        tokens=(Annotated[list[token], Field(max_length=limits.max_chars)], ...)),
-    }
-
-
-# ---------------------------------------------------------------------------------------------------------
 # responses
 
 
@@ -328,6 +232,8 @@ class Timings(Out):
 
 
 class CompletionResponse(Out):
+    """One choice's completion; several prompts or choices answer a list of these."""
+
     index: int
     content: str
     tokens: list[int]
@@ -341,6 +247,14 @@ class CompletionResponse(Out):
     stop_type: Literal["none", "eos", "limit", "word"]
     stopping_word: str
     timings: Timings
+
+
+class Picked(RootModel[dict[str, Any]]):
+    """The fields llama.cpp's `response_fields` names, each under its path ("generation_settings/seed")."""
+
+
+# /completion answers one object, a list of them (several prompts or choices), or the fields asked for
+CompletionAnswer = CompletionResponse | list[CompletionResponse] | Picked
 
 
 class Usage(Out):

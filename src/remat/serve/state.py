@@ -58,6 +58,8 @@ class Server:
                 self.on_load_error(self.load_error)
 
     def stop(self) -> None:
+        if self.engine is not None:
+            self.engine.close()
         if self.jobs is not None:
             self.jobs.close()
 

@@ -41,18 +41,15 @@ class Budget:
     deducted: tuple[tuple[str, int], ...] = ()
 
     @classmethod
-    def of(cls, asked: int | None = None, *, cap: int | None = None, ranks_here: int = 1) -> Budget:
-        """The job's own budget (`asked`), at most `cap` (the server's); without one, `cap`; without either, the
-        free memory now, shared by the `ranks_here` processes of a data-parallel run on this machine."""
-        if asked is not None and cap is not None and cap < asked:
-            return cls(cap, "the server's budget")
+    def of(cls, asked: int | None = None, *, cap: Budget | None = None, ranks_here: int = 1) -> Budget:
+        """The job's own budget (`asked`, bytes), at most `cap` (a server's budget for its jobs); without one, `cap`;
+        without either, the free memory now, shared by the `ranks_here` processes of a data-parallel run here."""
+        if cap is not None:
+            return cap if asked is None or cap.bytes <= asked else cls(asked, "the job's memory_budget")
         if asked is not None:
             return cls(asked, "--memory-budget")
-        if cap is not None:
-            return cls(cap, "the server's budget")
-        free = available_memory()
         share = f", shared by {ranks_here} processes" if ranks_here > 1 else ""
-        return cls(free // ranks_here, f"free memory{share}", read=True)
+        return cls(available_memory() // ranks_here, f"free memory{share}", read=True)
 
     @classmethod
     def unlimited(cls) -> Budget:

@@ -7,7 +7,7 @@ from fastapi.responses import PlainTextResponse
 from starlette.concurrency import run_in_threadpool
 
 from remat.base.settings import VERSION
-from remat.serve.engine import SamplingParams
+from remat.serve.decoding import Params
 from remat.serve.errors import error_response, responses
 from remat.serve.metrics import metrics_text
 from remat.serve.schemas import Health, ModelList, Props
@@ -38,7 +38,7 @@ async def props(srv: ServerDep, e: EngineDep):
         "parallel": srv.parallel,
         "max_slowdown_ppm": srv.max_slowdown_ppm,
         "memory_budget": srv.memory_budget,
-        "default_generation_settings": {"n_ctx": e.n_ctx, "params": SamplingParams().as_dict()},
+        "default_generation_settings": {"n_ctx": e.n_ctx, "params": Params().as_dict()},
         "chat_template": e.tokenizer.chat_template,
         "build_info": f"remat {VERSION}",
     }

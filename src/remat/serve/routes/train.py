@@ -39,9 +39,10 @@ TRAIN_BODY = body.openapi_body(TrainRequest, "a training job: its data and Train
 @router.post("/train", status_code=202, response_model=Submitted, responses=responses(400, 422, 503),
              openapi_extra=TRAIN_BODY)
 async def train(req: TrainBody, jobs: JobsDep):
-    """Plan the job on fake tensors and queue it (202 with the plan), or refuse it: 422 `insufficient_memory`
-    with the plans the gate looked at when none fits the budget."""
-    return SafeJSONResponse(await body.answer(jobs.submit, req), status_code=202)
+    """Plan the job on fake tensors and queue it (202 with the plan, `Location` naming the job), or refuse it:
+    422 `insufficient_memory` with the plans the gate looked at when none fits the budget."""
+    answer = await body.answer(jobs.submit, req)
+    return SafeJSONResponse(answer, status_code=202, headers={"Location": f"/train/{answer['id']}"})
 
 
 @router.post("/train/plan", response_model=Plan, responses=responses(400, 422, 503), openapi_extra=TRAIN_BODY)
