@@ -25,6 +25,7 @@ from transformers.modeling_gguf_pytorch_utils import (
 from transformers.pytorch_utils import Conv1D
 
 import conformance
+from remat.models import stored
 from remat.models.adapters import AdapterError, LoraSettings, apply_lora, merge_into_base, save_adapter
 from remat.models.load import build_from_config, default_gguf_path, load_model
 from remat.models.lora_gguf import CONVERTERS, write_gguf_adapter
@@ -283,7 +284,9 @@ def test_gguf_adapter_applied_by_hand_equals_the_peft_merge(name, tmp_path):
             assert tensors[t + ".lora_b"].shape[0] == base[t].shape[1]
 
     weights = {n: m.weight.detach().clone() for n, m in model.get_base_model().named_modules() if n in adapted(model)}
-    merged = dict(model.merge_and_unload().named_modules())
+    # PEFT merges into `weight.data`: a GGUF base's weights are made from its blocks on each read (quant), so it
+    # merges into float32 copies of them, as `merge_into_base` does
+    merged = dict(stored.to_float(model).merge_and_unload().named_modules())
     scale = 12.0 / 4
     for gguf_name, hf_name in targets.items():
         a, b = tensors[gguf_name + ".lora_a"], tensors[gguf_name + ".lora_b"]

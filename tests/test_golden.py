@@ -38,7 +38,13 @@ def test_training_losses_are_the_golden_ones():
 
 def test_the_demos_first_losses_are_the_golden_ones():
     """`make demo`'s first three steps (the default model, its corpus, every default): the same losses to the bit,
-    the same policy and plans."""
+    the same policy and plans, but for what holding the GGUF's blocks changed (quant): `frozen` (the blocks, not
+    float32 copies), `graph` and `step` (a layer's weights made float while it computes)."""
     demo = answers.train([("demo", {"steps": 3})])["demo"]
     assert demo["losses"] == GOLDEN["demo"]["losses"][:3]
-    assert (demo["policy"], demo["plans"]) == (GOLDEN["demo"]["policy"], GOLDEN["demo"]["plans"])
+    assert demo["policy"] == GOLDEN["demo"]["policy"]
+    as_stored = ("frozen", "graph", "step")
+    for name, plan in GOLDEN["demo"]["plans"].items():
+        assert {k: v for k, v in demo["plans"][name].items() if k not in as_stored} == \
+            {k: v for k, v in plan.items() if k not in as_stored}
+        assert demo["plans"][name]["frozen"] < plan["frozen"] / 5

@@ -18,7 +18,7 @@ from remat.models.load import ModelError, build_from_config, load_config, load_m
 
 @pytest.fixture(scope="module", autouse=True)
 def _cache(tmp_path_factory):
-    # Every test in this module converts into one temporary cache, so the GGUF is dequantized once.
+    # Every test in this module reads the GGUF's header and tokenizer into one temporary cache, once.
     with pytest.MonkeyPatch.context() as mp:
         path = tmp_path_factory.mktemp("remat-cache")
         mp.setenv("REMAT_CACHE_DIR", str(path))
@@ -27,7 +27,7 @@ def _cache(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def smol() -> models.LoadedModel:
-    return load_model()  # first load: converts the GGUF into the cache
+    return load_model()  # first load: parses the GGUF's header and tokenizer into the cache
 
 
 def _same_weights(a: torch.nn.Module, b: torch.nn.Module) -> bool:
@@ -72,21 +72,24 @@ def test_gguf_weights_match_the_file(smol):
 
 
 def test_second_load_is_cached_fast_and_identical(smol, _cache):
-    entries = [p for p in (_cache / "gguf").iterdir()]
-    assert len(entries) == 1 and not entries[0].name.startswith(".tmp")
-    assert "quantization_config" not in json.loads((entries[0] / "config.json").read_text())
+    # The cache holds what is slow to parse (config, tensor table, tokenizer), never a float copy of the weights.
+    entries = sorted(p.name.split(".", 1)[1] for p in (_cache / "gguf").iterdir())
+    assert entries == ["config.json", "tensors.json", "tokenizer"], entries
+    assert not list(_cache.rglob("*.safetensors"))
+    config = next((_cache / "gguf").glob("*.config.json"))
+    assert "quantization_config" not in json.loads(config.read_text())
     start = time.perf_counter()
     again = load_model()
     elapsed = time.perf_counter() - start
-    assert elapsed < 5, f"cached load took {elapsed:.1f} s"
+    assert elapsed < 15, f"cached load took {elapsed:.1f} s"  # gguf-py's reader parses the vocabulary: ~3 s idle
     assert _same_weights(smol.model, again.model)
     assert again.tokenizer.chat_template == smol.tokenizer.chat_template
 
 
-def test_tied_embeddings_survive_the_cache(smol):
-    m = load_model().model  # from the cache
+def test_tied_embeddings_share_one_copy_of_the_blocks(smol):
+    m = smol.model
     assert m.config.tie_word_embeddings
-    assert m.lm_head.weight is m.model.embed_tokens.weight
+    assert m.lm_head.parametrizations.weight.original is m.model.embed_tokens.parametrizations.weight.original
 
 
 def test_config_of_default_comes_without_weights(smol):
@@ -99,8 +102,8 @@ def test_config_of_a_gguf_is_parsed_once(tmp_path, monkeypatch):
     # Parsing a GGUF for its config reads every field (seconds); the second plan of a file reads it back.
     monkeypatch.setenv("REMAT_CACHE_DIR", str(tmp_path))
     first = load_config(None)
-    kept = models._gguf_cache_path(models.default_gguf_path()).name + ".config.json"
-    assert [p.name for p in (tmp_path / "gguf").iterdir()] == [kept]
+    kept = [models._gguf_kept(models.default_gguf_path(), what).name for what in ("config.json", "tensors.json")]
+    assert sorted(p.name for p in (tmp_path / "gguf").iterdir()) == kept
 
     def no_parse(*args, **kwargs):
         raise AssertionError("the GGUF was parsed again")

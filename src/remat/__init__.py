@@ -4,7 +4,8 @@ allocated.
 
 The Python API, for a training loop of your own (README, "Python API"):
 
-- `load_model(spec)`: a GGUF file, a safetensors folder or a preset, as a transformers model and tokenizer; or
+- `load_model(spec)`: a GGUF file, a safetensors folder or a preset, as a transformers model and tokenizer, its
+  frozen weights as the file stores them (a GGUF's blocks; `as_stored=False`: float32, for full fine-tuning); or
   bring any transformers causal LM.
 - `TrainSettings`: a job's settings (the command line's and `POST /train`'s fields).
 - `Budget`, `admit(settings, budget, planner=...)`: the gate, the same answer `remat plan` prints.

@@ -16,7 +16,17 @@ from typing import Annotated, Any, Literal, TypeVar, get_args, get_origin
 
 from pydantic import BaseModel, TypeAdapter, ValidationError
 
-from remat.base.settings import Cli, MiB, RematError, Renamed, ServeSettings, TrainSettings, UsageError, describe
+from remat.base.settings import (
+    Cli,
+    MiB,
+    Note,
+    RematError,
+    Renamed,
+    ServeSettings,
+    TrainSettings,
+    UsageError,
+    describe,
+)
 
 # Nothing heavy at import time (torch, transformers): `remat --help` and argument errors answer at once.
 # Every option comes from a field of remat.base.settings: its type, bounds, default and help are declared there.
@@ -85,11 +95,11 @@ def parser() -> argparse.ArgumentParser:
     as_json: dict[str, Any] = {"action": "store_true", "help": "print one JSON object on stdout"}
 
     f = sub.add_parser("finetune", help="train a model; prints a receipt")
-    add_fields(f, TrainSettings, " ".join(TrainSettings.model_fields))
+    add_fields(f, TrainSettings, " ".join(n for n in TrainSettings.model_fields if n != "weights"))  # plan only
     f.add_argument("--json", **as_json)
 
     pl = sub.add_parser("plan", help="memory plan from the config alone; allocates nothing")
-    add_fields(pl, TrainSettings, f"{MODEL_OPTIONS} {LORA_OPTIONS} memory_budget", ctx=512)
+    add_fields(pl, TrainSettings, f"{MODEL_OPTIONS} {LORA_OPTIONS} memory_budget weights", ctx=512)
     pl.add_argument("--recompute", default="both", metavar="POLICY",
                     help="both (off and on, the default), a policy (off, on, dots, every:K), or budget / auto: "
                     "the fastest plan within --memory-budget")
@@ -136,6 +146,8 @@ def fail(code: int, message: str) -> int:
 def _show_warning(message, category, *args, **kwargs) -> None:
     if issubclass(category, Renamed):  # an old spelling: the user should hear of the new one
         print(f"remat: warning: {message}", file=sys.stderr)
+    elif issubclass(category, Note):
+        print(f"remat: note: {message}", file=sys.stderr)
 
 
 def run() -> None:
@@ -247,6 +259,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     result: dict[str, Any] = {"model": s.model or "default", "ctx": s.ctx, "batch": s.batch, "path": s.path,
                               "walk": s.walk if s.path == "walk" else None, "loss_chunk": s.loss_chunk,
                               "lora": s.lora, "world_size": args.world_size, "rank_batch": admitted.settings.batch,
+                              "weights": s.weights,
                               "plans": {k: admitted.plans[k].as_dict() for k in shown}}
     if gated:
         result |= {"policy": admitted.policy, "reason": admitted.choice.reason, "plan": admitted.plan.as_dict(),
@@ -295,7 +308,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
     from remat.training.step import Planner, StepShape
 
     s = settings_from(TrainSettings, args)
-    loaded = models.load_model(s.model)
+    loaded = models.load_model(s.model, as_stored=False)  # every weight trains, as in full fine-tuning
     models.check_ctx(s.ctx, loaded.model.config)
     shape, planner = StepShape.of(s), Planner(loaded.model)
     g = torch.Generator().manual_seed(0)

@@ -99,6 +99,9 @@ def _comma_list(value: object) -> object:
 
 
 MemorySize = Annotated[int, BeforeValidator(_bytes), Field(gt=0)]
+# llama.cpp's file types whose every tensor type remat keeps in blocks (`remat.models.mixes.MIXES`)
+WeightMix = Literal["f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "q4_k_s", "q4_k_m", "q5_k_s",
+                    "q5_k_m", "q6_k"]
 Names = Annotated[list[str], BeforeValidator(_comma_list), Field(min_length=1)]
 
 
@@ -154,6 +157,9 @@ class TrainSettings(BaseModel):
     lora_dropout: float = Field(0.0, ge=0, lt=1, description="LoRA dropout")
     lora_targets: Names | None = Field(None, description="comma-separated module names (default: every linear "
                                        "layer of the decoder)")
+    weights: Annotated[WeightMix | None, BeforeValidator(lambda v: v.lower() if isinstance(v, str) else v)] = Field(
+        None, description="plan only: the frozen weights at a GGUF file type, each tensor at the type llama.cpp's "
+        "quantizer gives it (default: as the model stores them: a GGUF's own types, a preset in float32)")
     save_every: int | None = Field(None, ge=1, description="write a checkpoint every N steps into --out")
     resume: str | None = Field(None, description="continue from the latest checkpoint in this folder")
     dist_timeout: float = Field(600, gt=0, allow_inf_nan=False,
@@ -183,6 +189,10 @@ class TrainSettings(BaseModel):
 
 class Renamed(UserWarning):
     """An old spelling of a setting, still accepted."""
+
+
+class Note(UserWarning):
+    """What a user should know that is not an error (a weight dequantized at load); the CLI shows it on stderr."""
 
 
 def _renamed(value: object, old: str, new: str) -> object:

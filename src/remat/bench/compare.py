@@ -92,7 +92,7 @@ def run_bench(model: str | None, ctx: int, batch: int = 1, steps: int = 3, path:
             print(f"bench: {text}", file=sys.stderr, flush=True)
 
     return_freed_memory()  # as the trainer does: the process peaks follow what is live
-    loaded = models.load_model(model, seed=seed)
+    loaded = models.load_model(model, seed=seed, as_stored=lora)  # full fine-tuning trains float32 weights
     models.check_ctx(ctx, loaded.model.config)
     variants = _variants(loaded.model.to(device), s)  # type: ignore[arg-type]  # transformers types .to oddly
     data = [tuple(t.to(device) for t in b) for b in random_batches(loaded.model.config.vocab_size, batch, ctx,

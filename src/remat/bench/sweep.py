@@ -255,7 +255,7 @@ def _device() -> torch.device:
 def _models(model: str | None, ctx: int, lora: bool, seed: int,
             device: torch.device) -> tuple[Any, nn.Module, nn.Module]:
     """The loaded model, the shared copy (remat and AOT) and torch checkpointing's own copy."""
-    loaded = models.load_model(model, seed=seed)
+    loaded = models.load_model(model, seed=seed, as_stored=lora)  # full fine-tuning trains float32 weights
     models.check_ctx(ctx, loaded.model.config)
     base: nn.Module = loaded.model.to(device)  # type: ignore[arg-type]  # transformers types .to oddly
     ckpt = copy.deepcopy(base)  # before any use: enabling checkpointing changes the model it is enabled on

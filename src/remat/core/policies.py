@@ -6,7 +6,7 @@ backward reads, "save" (True) or "recompute" (False). Every policy gives the sam
 grads bitwise: a recomputed value runs the same op on the same inputs.
 
 Built-ins, from most memory (fastest) to least:
-  off        save everything (no rewrite at all)
+  off        save everything (no rewrite at all; with dequantized weights in the step, all but them)
   dots       save matrix-product outputs and the layer marks; recompute the cheap ops between them
   layer/on   save one `l_out` mark per decoder layer (the residual stream); recompute the rest
   every:K    save every K-th layer mark; the marks between are recomputed once, as second-level
@@ -42,6 +42,11 @@ DOTS = frozenset({
 RESHAPES = frozenset({torch.ops.aten._unsafe_view.default, operator.getitem})
 
 SPEC = re.compile(r"off|on|layer|dots|every:([1-9][0-9]*)")
+
+# Ops whose values, and views made of them alone, no policy saves: recomputed from their inputs before the
+# backward reads them, `off` included (a frozen weight dequantized from its blocks, `remat.models.quant`, whose
+# float copy would otherwise live from the forward to the backward). Filled by the modules that define them.
+ALWAYS_RECOMPUTED: set = set()
 
 
 @dataclass(frozen=True)
@@ -86,6 +91,21 @@ def dots() -> Policy:
         return n.op == "call_function"
 
     return Policy("dots", saves)
+
+
+def always_recomputed(n: fx.Node) -> bool:
+    """Whether the value is made by an op of `ALWAYS_RECOMPUTED`, or is a view of one (a weight's transpose)."""
+    while n.op == "call_function" and n.target not in ALWAYS_RECOMPUTED:
+        source = n.args[0] if n.target in RESHAPES else alias.view_source(n)
+        if not isinstance(source, fx.Node):
+            return False
+        n = source
+    return n.op == "call_function"
+
+
+def everything() -> Policy:
+    """`off` where a step has values no policy saves (`always_recomputed`): all the rest is saved."""
+    return Policy("off", lambda n: True)
 
 
 def parse(spec: str) -> Policy | None:

@@ -7,7 +7,7 @@ Rules (docs/architecture.md, "The rewrite"), all in this file:
    ops that write in place or have side effects; and any node that reads a root buffer
    (directly or through views) which an in-place op writes later in the graph: recomputed in
    backward, it would read the advanced value. Then the policy (`remat.core.policies`) keeps what
-   it saves: by default one `l_out` mark per layer.
+   it saves: by default one `l_out` mark per layer; never a dequantized weight (`always_recomputed`).
 3. every saved, non-kept node is replaced, for its backward users, by a clone computed from
    kept nodes, placed just before its first backward consumer; clones placed before one
    consumer go in their original forward order. Clones are memoised per region (`regions`: a
@@ -36,7 +36,7 @@ from remat.core.capture import copied_value
 from remat.core.graph import TrainGraph, copy_node, interpret, tensors_in
 from remat.core.marks import mark_name
 from remat.core.plan import Plan, Storages, plan, sized_storages
-from remat.core.policies import Policy, layer_index, layer_marks
+from remat.core.policies import Policy, always_recomputed, layer_index, layer_marks
 
 CLONE_OF = "remat_clone_of"  # node.meta key: the original a clone recomputes
 CLONE_FOR = "remat_clone_for"  # node.meta key: the layer whose backward reads a clone (None: the head's)
@@ -69,7 +69,7 @@ def keep_reasons(tg: TrainGraph, policy: Policy = LAYER) -> dict[fx.Node, str]:
     """Every forward node that is not recomputed, with why: a mandatory rule, else the policy's name."""
     reasons = must_keep(tg)
     for n in tg.forward_nodes():
-        if n not in reasons and policy.saves(n):
+        if n not in reasons and policy.saves(n) and not always_recomputed(n):
             reasons[n] = policy.name
     return reasons
 

@@ -10,6 +10,7 @@ being told.
 from __future__ import annotations
 
 import warnings
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
@@ -19,7 +20,8 @@ import torch
 from torch import nn
 
 from remat.base.files import listing, staged
-from remat.base.settings import AdapterError, one_line
+from remat.base.settings import AdapterError, Note, one_line
+from remat.models import stored
 from remat.models.load import ModelError, load_model, module_lock
 from remat.models.lora_gguf import GGUF_NAME, NoGGUF, write_gguf_adapter
 
@@ -114,7 +116,7 @@ def apply_lora(model: nn.Module, s: LoraSettings, *, seed: int = 0) -> peft.Peft
         bias="none",
         task_type=peft.TaskType.CAUSAL_LM,
     )
-    with module_lock, torch.random.fork_rng(devices=[]):
+    with module_lock, torch.random.fork_rng(devices=[]), stored.peeking(model):  # PEFT only inspects the weights
         torch.manual_seed(seed)
         return peft.get_peft_model(model, config)
 
@@ -211,6 +213,16 @@ def save_adapter(model: peft.PeftModel, out: str | Path, *, base_name: str,
 # merge
 
 
+def _float_base(model: nn.Module) -> None:
+    """The base's stored weights (GGUF blocks, bf16) made float32 for the merge, in place, saying so: a merged
+    weight is the float weight plus B·A, which no stored type holds."""
+    kinds = Counter(stored.Q(p.qtype).name for _, p, _ in stored.stored(model))
+    if kinds:
+        held = ", ".join(f"{n} {kind}" for kind, n in sorted(kinds.items()))
+        warnings.warn(f"the base holds {held} weights: the merged model is written in float32", Note, stacklevel=3)
+        stored.to_float(model)
+
+
 def merge_into_base(base_spec: str | None, adapter_dir: str | Path, out: str | Path, *, seed: int = 0,
                     num_layers: int | None = None) -> list[str]:
     """Load the base, apply the adapter, merge it into the weights and save an HF model folder at `out`.
@@ -233,6 +245,7 @@ def merge_into_base(base_spec: str | None, adapter_dir: str | Path, out: str | P
         lm = load_model(None if spec == DEFAULT_BASE else spec, seed=seed, num_layers=num_layers)
     except ModelError as e:
         raise AdapterError(f"cannot load the base model: {e}") from None
+    _float_base(lm.model)
 
     try:
         model = peft.PeftModel.from_pretrained(lm.model, adapter_dir)

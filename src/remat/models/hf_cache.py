@@ -13,6 +13,7 @@ from torch.utils._pytree import tree_leaves
 
 from remat.base.settings import one_line
 from remat.models.hf import UnsupportedModel, causal_lm, decoder_layers, decoder_of, prepare
+from remat.models.stored import compute_dtype
 
 
 def _name(kind: str, layer_idx: int, state_idx: int = 0) -> str:
@@ -98,7 +99,7 @@ def _scans_from_zero(lm: Any, batch: int, shapes: dict[str, tuple[int, ...]]) ->
     initial state): the walk would start each chunk of theirs from zero."""
     fake = next((p for p in lm.parameters() if isinstance(p, FakeTensor)), None)
     with fake.fake_mode if fake is not None else contextlib.nullcontext():
-        probe = _CarriedStateProbe(shapes, next(lm.parameters()).dtype)
+        probe = _CarriedStateProbe(shapes, compute_dtype(lm))
     with _StateReads(probe):
         _run_probe(lm, batch, probe)
     return sorted({int(k.split(".")[1]) for k in probe.carried.keys() - probe.read})

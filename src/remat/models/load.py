@@ -14,15 +14,19 @@ import os
 import pathlib
 import struct
 import threading
+import warnings
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 import transformers
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+from transformers.initialization import no_init_weights
 
 from remat.base.files import staged, staged_file
-from remat.base.settings import UsageError, one_line
+from remat.base.settings import Note, UsageError, one_line
+from remat.core.process import trim_heap
+from remat.models import gguf_file, stored
 
 transformers.utils.logging.disable_progress_bar()  # remat draws its own progress; keep stderr readable
 transformers.utils.logging.set_verbosity_error()
@@ -78,7 +82,7 @@ _LOAD_ERRORS = (OSError, ValueError, KeyError, TypeError, IndexError, AttributeE
 
 
 def cache_dir() -> pathlib.Path:
-    """Where converted models are kept: $REMAT_CACHE_DIR, else ~/.cache/remat."""
+    """Where parsed GGUF headers and tokenizers are kept: $REMAT_CACHE_DIR, else ~/.cache/remat."""
     env = os.environ.get("REMAT_CACHE_DIR")
     return pathlib.Path(env).expanduser() if env else pathlib.Path.home() / ".cache" / "remat"
 
@@ -199,6 +203,11 @@ def _resolve(spec: str | None) -> tuple[str, Any]:  # a preset's name (str), els
     raise ModelError(f"unknown model '{spec}': not a file, folder or preset (presets: {', '.join(PRESETS)})")
 
 
+def kind(spec: str | None) -> tuple[str, Any]:
+    """What a model spec names: ("preset", name), ("gguf", file), ("folder", dir) or ("config", json file)."""
+    return _resolve(spec)
+
+
 def _read_json_config(path: pathlib.Path) -> transformers.PretrainedConfig:
     try:
         d = json.loads(path.read_text())
@@ -253,7 +262,7 @@ def build_from_config(config: transformers.PretrainedConfig, *, seed: int = 0) -
 
 
 def _finish(model: transformers.PreTrainedModel, tokenizer, name: str) -> LoadedModel:
-    model = model.to(device="cpu", dtype=torch.float32)  # type: ignore[call-arg]  # transformers types .to narrowly
+    model = model.to(device="cpu")  # type: ignore[call-arg]  # transformers types .to narrowly
     model.config.use_cache = False  # training: no KV cache
     model.train()
     if tokenizer.eos_token is None:
@@ -266,15 +275,20 @@ def _finish(model: transformers.PreTrainedModel, tokenizer, name: str) -> Loaded
                        max_ctx=max_ctx(model.config))
 
 
-def _load_folder(folder: pathlib.Path) -> tuple[transformers.PreTrainedModel, transformers.PreTrainedTokenizerBase]:
+def _load_folder(folder: pathlib.Path, as_stored: bool = False) -> tuple[transformers.PreTrainedModel,
+                                                                          transformers.PreTrainedTokenizerBase]:
+    """The folder's model in float32, or, `as_stored`, its float16 / bfloat16 weights kept so (`models.stored`)."""
     if not any(folder.glob("*.safetensors")):
         raise ModelError(f"folder '{folder}' has no *.safetensors weights")
     try:
         model = transformers.AutoModelForCausalLM.from_pretrained(
-            folder, dtype=torch.float32, local_files_only=True
+            folder, dtype="auto" if as_stored else torch.float32, local_files_only=True
         )
     except (OSError, ValueError, KeyError) as e:
         raise ModelError(f"cannot load model from '{folder}': {one_line(e)}") from None
+    if as_stored:
+        stored.keep_floats(model)
+        model.to(dtype=torch.float32)  # type: ignore[call-arg]  # the rest (float32 weights, buffers) as float32
     try:
         tokenizer = transformers.AutoTokenizer.from_pretrained(folder, local_files_only=True)
     except (OSError, ValueError, KeyError, TypeError) as e:
@@ -290,24 +304,24 @@ def _file_sha256(path: pathlib.Path) -> str:
     return h.hexdigest()
 
 
-def _gguf_cache_path(path: pathlib.Path) -> pathlib.Path:
-    # Keyed on content, so a replaced file never reuses a stale conversion (hashing ~100 MB takes ~0.1 s).
-    return cache_dir() / "gguf" / _file_sha256(path)[:16]
+def _gguf_kept(path: pathlib.Path, what: str) -> pathlib.Path:
+    # Keyed on content, so a replaced file never reuses a stale parse (hashing ~100 MB takes ~0.1 s).
+    return cache_dir() / "gguf" / f"{_file_sha256(path)[:16]}.{what}"
 
 
 def _gguf_config(path: pathlib.Path) -> transformers.PretrainedConfig:
-    """The GGUF's config, parsed once per file: transformers reads every field (the vocabulary too) to
-    get it, seconds each time, so it is kept beside the conversion cache, keyed the same way."""
-    converted = _gguf_cache_path(path)
-    kept = converted.with_name(converted.name + ".config.json")
-    for saved in (converted / "config.json", kept):
-        if saved.is_file():
-            return _read_json_config(saved)
+    """The GGUF's config, parsed once per file: transformers reads every field (the vocabulary too) to get it,
+    seconds each time, so it is kept in the cache, with the file's tensor table (`gguf_header`), once the file
+    reads whole (a damaged one fails here, and nothing is kept)."""
+    kept = _gguf_kept(path, "config.json")
+    if kept.is_file() and _gguf_kept(path, "tensors.json").is_file():
+        return _read_json_config(kept)
+    _keep_header(path)
     try:
         config = transformers.AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
     except _LOAD_ERRORS as e:
         raise ModelError(f"cannot read GGUF '{path}': {one_line(e)}") from None
-    # The dequantized model is plain float weights; the GGUF quantization is not part of it.
+    # The model is plain float weights to transformers; the GGUF quantization is remat's to hold.
     if hasattr(config, "quantization_config"):
         del config.quantization_config
     # an unwritable cache costs the next read the parse, no more
@@ -316,47 +330,95 @@ def _gguf_config(path: pathlib.Path) -> transformers.PretrainedConfig:
     return config
 
 
-def _convert_gguf(path: pathlib.Path, dest: pathlib.Path) -> None:
-    """Dequantize a GGUF into a safetensors folder at `dest`, all or nothing."""
+def _keep_header(path: pathlib.Path) -> tuple[str, list[gguf_file.Tensor]]:
+    """The file's architecture and tensor table, read with gguf-py's reader, checked and kept in the cache."""
     try:
-        model = transformers.AutoModelForCausalLM.from_pretrained(
-            path.parent, gguf_file=path.name, dtype=torch.float32
-        )
-        tokenizer = transformers.AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+        reader = gguf_file.read(path)
+        header = gguf_file.architecture(reader), gguf_file.tensors(reader)
+    except gguf_file.GGUFError as e:
+        raise ModelError(str(e)) from None
+    table = {"architecture": header[0], "tensors": [[t.name, t.qtype, list(t.shape)] for t in header[1]]}
+    with contextlib.suppress(OSError, UsageError), staged_file(_gguf_kept(path, "tensors.json")) as tmp:
+        tmp.write_text(json.dumps(table))
+    return header
+
+
+def gguf_header(path: pathlib.Path) -> tuple[str, list[gguf_file.Tensor]]:
+    """A GGUF's architecture and tensor table (names, types, shapes), from its header alone: a plan's."""
+    kept = _gguf_kept(path, "tensors.json")
+    if not kept.is_file():
+        return _keep_header(path)
+    table = json.loads(kept.read_text())
+    return table["architecture"], [gguf_file.Tensor(n, q, tuple(s)) for n, q, s in table["tensors"]]
+
+
+def _gguf_tokenizer(path: pathlib.Path) -> transformers.PreTrainedTokenizerBase:
+    """The GGUF's tokenizer, built once per file from its vocabulary (seconds) and kept in the cache."""
+    kept = _gguf_kept(path, "tokenizer")
+    if not kept.is_dir():
+        try:
+            tokenizer = transformers.AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+        except _LOAD_ERRORS as e:
+            raise ModelError(f"cannot load the tokenizer of GGUF '{path}': {one_line(e)}") from None
+        with contextlib.suppress(OSError, UsageError), staged(kept, mode="replace") as tmp:
+            tokenizer.save_pretrained(tmp)
+        if not kept.is_dir():  # an unwritable cache
+            return tokenizer
+    # Always read back from the cache, so the first and later loads give exactly the same tokenizer.
+    return transformers.AutoTokenizer.from_pretrained(kept, local_files_only=True)
+
+
+def _load_gguf(path: pathlib.Path, as_stored: bool) -> tuple[transformers.PreTrainedModel,
+                                                              transformers.PreTrainedTokenizerBase]:
+    """The GGUF's model: its quantized weights kept in their blocks (`remat.models.gguf_file`), or, not
+    `as_stored`, every weight dequantized to float32."""
+    config = _gguf_config(path)
+    tokenizer = _gguf_tokenizer(path)
+    try:
+        reader = gguf_file.read(path)
+        arch = gguf_file.architecture(reader)
+        if gguf_file.transformers_converts(arch):
+            warnings.warn(f"transformers converts {arch} GGUF files itself: its weights are dequantized at load "
+                          "(float32)", Note, stacklevel=3)
+            converted: Any = transformers.AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name,
+                                                                               dtype=torch.float32)
+            if converted.hf_quantizer is not None:  # plain float weights now: no GGUF quantizer to keep
+                converted.hf_quantizer.remove_quantization_config(converted)
+            return converted, tokenizer
+        with no_init_weights():  # every value comes from the file
+            model = build_from_config(config)
+        model.tie_weights()  # which no_init_weights skips too
+        for note in gguf_file.load_into(model, reader):
+            warnings.warn(f"{path.name}: {note}", Note, stacklevel=3)
+    except gguf_file.GGUFError as e:
+        raise ModelError(f"cannot load GGUF '{path}': {e}") from None
     except _LOAD_ERRORS as e:
         raise ModelError(f"cannot load GGUF '{path}': {one_line(e)}") from None
-    # The weights are dequantized float32 now: drop the GGUF quantizer so they save and reload as plain ones.
-    quantizer: Any = model.hf_quantizer  # torch's Module.__getattr__ types attributes as Tensor | Module
-    if quantizer is not None:
-        quantizer.remove_quantization_config(model)
-    if (dest / "config.json").is_file():  # another process converted it meanwhile
-        return
-    with staged(dest, mode="replace") as tmp:
-        model.save_pretrained(tmp)
-        tokenizer.save_pretrained(tmp)
-        (tmp / "remat-source.json").write_text(json.dumps({"gguf": str(path)}) + "\n")
+    del reader
+    # gguf-py's reader parses the vocabulary into many small arrays: ~150 MiB (SmolLM2) freed into the heap, which
+    # the process would hold as resident through training, outside any plan
+    trim_heap()
+    if not as_stored:
+        stored.to_float(model)
+    return model, tokenizer
 
 
-def _load_gguf(path: pathlib.Path) -> tuple[transformers.PreTrainedModel, transformers.PreTrainedTokenizerBase]:
-    cached = _gguf_cache_path(path)
-    if not (cached / "config.json").is_file():
-        _convert_gguf(path, cached)
-    # Always load from the cache so the first and later loads give exactly the same model.
-    return _load_folder(cached)
-
-
-def load_model(spec: str | None = None, *, seed: int = 0, num_layers: int | None = None) -> LoadedModel:
-    """Load a model for training: float32, CPU, train() mode, use_cache off.
+def load_model(spec: str | None = None, *, seed: int = 0, num_layers: int | None = None,
+               as_stored: bool = True) -> LoadedModel:
+    """Load a model for training: CPU, train() mode, use_cache off; its weights float32, or, `as_stored` (the
+    default), a GGUF's quantized weights and a folder's float16 / bfloat16 ones held as the file stores them and
+    made float inside the step (`remat.models.stored`): for frozen weights (LoRA). Full fine-tuning, serving and
+    merging an adapter load float32 weights.
 
     spec: None (the embedded SmolLM2-135M-Instruct GGUF), a preset name, a .gguf file, a Hugging Face
     folder (config.json + *.safetensors + tokenizer), or a config.json inside such a folder.
     seed and num_layers only apply to the random-weight presets.
     """
     with module_lock:
-        return _load_model(spec, seed, num_layers)
+        return _load_model(spec, seed, num_layers, as_stored)
 
 
-def _load_model(spec: str | None, seed: int, num_layers: int | None) -> LoadedModel:
+def _load_model(spec: str | None, seed: int, num_layers: int | None, as_stored: bool) -> LoadedModel:
     kind, target = _resolve(spec)
     if kind == "preset":
         if target not in TRAINABLE_PRESETS:
@@ -366,12 +428,12 @@ def _load_model(spec: str | None, seed: int, num_layers: int | None) -> LoadedMo
     if num_layers is not None:
         raise ModelError("num_layers only applies to the presets " + ", ".join(TRAINABLE_PRESETS))
     if kind == "gguf":
-        model, tokenizer = _load_gguf(target)
+        model, tokenizer = _load_gguf(target, as_stored)
         return _finish(model, tokenizer, target.name)
     if kind == "config":
         _read_json_config(target)  # a clear error for a JSON file that is not a model config
         if target.name != "config.json":
             raise ModelError(f"'{target}' is a config without weights: give a model folder, GGUF file or preset")
     folder = target if kind == "folder" else target.parent
-    model, tokenizer = _load_folder(folder)
+    model, tokenizer = _load_folder(folder, as_stored)
     return _finish(model, tokenizer, folder.resolve().name)

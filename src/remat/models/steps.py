@@ -34,6 +34,7 @@ from remat.core.graph import TrainGraph
 from remat.models import delta_rule
 from remat.models.hf import UnsupportedModel, causal_lm, causal_lm_loss, model_loss, prepare
 from remat.models.hf_cache import ExactWalkCache, Probes, WalkCache
+from remat.models.stored import compute_dtype
 
 
 def window_step(model: nn.Module, input_ids: torch.Tensor, labels: torch.Tensor, *, loss_chunk: int = 0,
@@ -78,7 +79,7 @@ KV = ("k.", "v.")  # cache names of attention layers' keys and values; the other
 
 def new_state(model: nn.Module, batch: int, ctx: int, probes: Probes | None = None) -> dict[str, torch.Tensor]:
     """The walk's cache and carried states for a window, zeroed."""
-    dtype, device = next(model.parameters()).dtype, next(model.parameters()).device
+    dtype, device = compute_dtype(model), next(model.parameters()).device  # quant: a first parameter may be bytes
     shapes = (probes or Probes(model)).state_shapes(batch, ctx)
     return {k: torch.zeros(s, dtype=dtype, device=device) for k, s in shapes.items()}
 
@@ -132,7 +133,7 @@ def chunk_step(model: nn.Module, batch: int, ctx: int, ubatch: int, *, loss_chun
     if ctx % ubatch:
         raise ValueError(f"--ctx {ctx} is not a multiple of --ubatch {ubatch}")
     shapes = (probes or Probes(model)).state_shapes(batch, ctx)
-    dtype = next(model.parameters()).dtype
+    dtype = compute_dtype(model)
     names = list(shapes)
     # exact: the cache and start states are differentiated (their gradient leaves the step into the buffers)
     inputs = {name: ("state", torch.zeros(shape, dtype=dtype, requires_grad=exact)) for name, shape in shapes.items()}

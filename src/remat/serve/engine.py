@@ -101,7 +101,7 @@ class Engine:
         from remat.models.load import ModelError, load_model
 
         try:
-            lm = load_model(self.spec, seed=self.seed)
+            lm = load_model(self.spec, seed=self.seed, as_stored=False)  # float32: not decoding from blocks yet
             if self.requested_ctx is not None and self.requested_ctx > lm.max_ctx:
                 raise ModelError(f"--ctx {self.requested_ctx} is above the model's maximum context {lm.max_ctx}")
         except Exception as e:  # reported by /health; the server stays up

@@ -22,7 +22,7 @@ from remat.base.settings import GateRefused, TrainSettings
 from remat.core.capture import EagerStridesFakeMode
 from remat.core.plan import Plan, mib
 from remat.core.process import available_memory
-from remat.models import adapters
+from remat.models import adapters, planned
 from remat.models import load as models
 from remat.training.distributed import Ranks
 from remat.training.step import Choice, Planner, StepShape
@@ -156,9 +156,10 @@ class Planners:
         """The planner of the model `s` trains (its LoRA attached), the LoRA gated against `budget` first."""
         refuse_lora(s, budget, self.linears())
         lora = lora_settings(s)
-        key = None if lora is None else (lora.r, lora.alpha, lora.dropout, tuple(lora.targets or ()))
+        key = None if lora is None else (lora.r, lora.alpha, lora.dropout, tuple(lora.targets or ()), s.weights)
         if key not in self._planners:
-            model = self.base()
+            # quant: the frozen weights as the loaded model will hold them (a GGUF's blocks; --weights' mix)
+            model = planned.plan_as_stored(self.base(), s.model, s.weights, lora is not None)
             self._planners[key] = Planner(model if lora is None else adapters.apply_lora(model, lora, seed=s.seed))
         return self._planners[key]
 

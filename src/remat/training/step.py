@@ -26,6 +26,7 @@ from remat.core.graph import TrainGraph
 from remat.core.plan import Plan, mib, plan, rank_share
 from remat.core.recompute import Rewriter, keep_reasons, saved_nodes
 from remat.fastplan import pieces, record, stamp
+from remat.models import stored
 from remat.models.hf_cache import Probes
 from remat.models.steps import chunk_step, window_step
 
@@ -102,6 +103,7 @@ class Planner:
         self.picked: stamp.Picked | None = None  # the layers a stamp traces, picked once per model
         self._shapes: dict[tuple, _Shape] = {}
         self.planning = any(isinstance(p, FakeTensor) for p in model.parameters())
+        self.stored = any(stored.stored(model))  # quant: weights held as stored, made float in the step
 
     def _at(self, shape: StepShape) -> _Step:
         """The step of this shape, keyed by the shape and the names of the parameters it trains (worked out once
@@ -121,13 +123,24 @@ class Planner:
     def _build(self, at: _Step, name: str) -> TrainGraph:
         graphs = at.kept.graphs
         if name not in graphs:
-            chosen = at.kept.saved_back.get(name) or policies.parse(name)
-            graphs[name] = self._trace(at) if chosen is None else self._rewriter(at)(chosen)
+            chosen = at.kept.saved_back.get(name) or self._policy(name)
+            graphs[name] = self._traced_step(at) if chosen is None else self._rewriter(at)(chosen)
         return graphs[name]
+
+    def _policy(self, name: str) -> policies.Policy | None:
+        """The policy named; for off, None (the trace as it is), but where the model holds stored weights the
+        trace rewritten to recompute their float copies alone (quant: `policies.ALWAYS_RECOMPUTED`)."""
+        return policies.parse(name) or (policies.everything() if self.stored else None)
+
+    def _traced_step(self, at: _Step) -> TrainGraph:
+        """The step as traced, before any rewrite (a float model's off)."""
+        if "traced" not in at.kept.graphs:
+            at.kept.graphs["traced"] = self._trace(at)
+        return at.kept.graphs["traced"]
 
     def _rewriter(self, at: _Step) -> Rewriter:
         if at.kept.rewriter is None:
-            at.kept.rewriter = Rewriter(self._build(at, "off"))
+            at.kept.rewriter = Rewriter(self._traced_step(at))
         return at.kept.rewriter
 
     def forget_graphs(self) -> None:
@@ -190,7 +203,7 @@ class Planner:
     def _planned(self, at: _Step, name: str) -> Plan:
         if name in at.kept.graphs:  # a graph already made
             return plan(self._build(at, name))
-        chosen = policies.parse(name)
+        chosen = self._policy(name)
         stamper = self._stamper(at) if name in LAYERS_ALIKE else None
         if stamper is not None:  # planned from the few layers traced, rewritten: no graph of the whole step
             with contextlib.suppress(stamp.NotStampable):
@@ -248,10 +261,11 @@ class Planner:
         one the backward reads), the costliest to recompute per byte first, as many as fit."""
         rewriter = self._rewriter(at)
         fit = policies.parse(fitting)
-        fast = policies.parse(faster) or policies.Policy("off", lambda n: True)
+        fast = policies.parse(faster) or policies.everything()
         assert fit is not None
         kept = keep_reasons(rewriter.tg, fit)
-        extra = [n for n in saved_nodes(rewriter.tg) if n not in kept and fast.saves(n)]
+        extra = [n for n in saved_nodes(rewriter.tg) if n not in kept and fast.saves(n)
+                 and not policies.always_recomputed(n)]  # quant: no float copy of a stored weight is saved back
         extra.sort(key=lambda n: -policies.recompute_cost(n) / max(1, _nbytes(n)))
 
         def saving(k: int) -> tuple[policies.Policy, dict]:

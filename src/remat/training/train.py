@@ -19,7 +19,7 @@ from tqdm import tqdm
 from remat.base.files import staged
 from remat.base.settings import RematError, TrainSettings, UsageError, percentile
 from remat.core.graph import StepInputs, TrainGraph
-from remat.core.plan import Measured, measure, preflight
+from remat.core.plan import Measured, measure, preflight, value_bytes
 from remat.core.process import process_peak, resident, return_freed_memory, trim_heap
 from remat.models import adapters
 from remat.models import load as models
@@ -171,6 +171,8 @@ def _train(run: _Run, *, progress: bool) -> Receipt:
 def _setup(s: TrainSettings, dp: distributed.Ranks, hooks: Hooks) -> _Run:
     """Everything before the first step, in order: the gate from the config (before the weights load), the
     model and data, the gate again on the traced step, the optimizer. Each step refuses what it can first."""
+    if s.weights is not None:
+        raise UsageError("--weights sizes a plan (`remat plan`); training holds the weights the model stores")
     return_freed_memory()  # the process peak then follows what is live, as the plan counts it
     runtime = resident()  # the process before the model: the plans' `runtime`; free memory excludes it
     budget = gate.Budget.of(s.memory_budget, ranks_here=dp.local_world_size)  # before the model takes its share
@@ -180,12 +182,16 @@ def _setup(s: TrainSettings, dp: distributed.Ranks, hooks: Hooks) -> _Run:
         planned_at = resident()  # what planning left in the process (the modules it imported, caches) stays
         budget, runtime = budget.less("what planning left", planned_at - runtime), planned_at
     torch.manual_seed(s.seed)
-    loaded = models.load_model(s.model)  # a preset's weights are fixed: the seed is the run's, not the base's
+    # a preset's weights are fixed: the seed is the run's, not the base's. A LoRA's base stays as stored (quant).
+    loaded = models.load_model(s.model, as_stored=s.lora)
     models.check_ctx(s.ctx, loaded.model.config)
     windows = data.load_windows(records, loaded.tokenizer, s.ctx, s.batch, pack=s.pack)
     s.optimizer_steps(len(windows))  # data too short for --accumulate: refused before tracing
     model = gate.with_lora(loaded.model, s, budget)
     dp.seed(s.seed)
+    # What loading left beside the weights (the tokenizer, the GGUF reader's residue) is the process's too; a model
+    # whose weights are mapped lazily (safetensors) keeps the measure from before it loaded.
+    runtime = max(runtime, resident() - value_bytes([*model.parameters(), *model.buffers()]))
     admitted = _setup_gate(s, dp, model, budget, runtime, hooks)
     params = list(StepInputs.of(model).trainable.values())
     optimizer = dp.optimizer(params, lr=s.learning_rate, weight_decay=0.0)

@@ -1,0 +1,100 @@
+"""remat::dequantize against gguf-py's own `gguf.quants.dequantize`, bit for bit (float32 bit patterns, NaNs
+included), on random blocks with extreme and special scales and on every tensor of the shipped GGUF."""
+
+from __future__ import annotations
+
+import gguf
+import numpy as np
+import pytest
+import torch
+
+from remat.models import quant
+from remat.models.load import default_gguf_path
+
+Q = gguf.GGMLQuantizationType
+# Halves that stress the scales: infinities, signalling and quiet NaNs with payloads, zeros of both signs, the
+# smallest subnormal, the largest finite, and ordinary values.
+SPECIAL_HALVES = np.array([0x7C00, 0xFC00, 0x7C01, 0xFE01, 0x7E00, 0x7D55, 0x0000, 0x8000, 0x0001, 0x7BFF, 0xFBFF,
+                           0x3C00, 0x1400], dtype=np.uint16)
+# Where each type keeps its half-precision scales in a block (d, and the min where it has one).
+SCALES = {Q.Q4_0: (0,), Q.Q4_1: (0, 2), Q.Q5_0: (0,), Q.Q5_1: (0, 2), Q.Q8_0: (0,), Q.Q4_K: (0, 2), Q.Q5_K: (0, 2),
+          Q.Q6_K: (208,), Q.F16: (0,), Q.BF16: (0,), Q.F32: ()}
+
+
+def _bits(a: np.ndarray) -> np.ndarray:
+    return np.ascontiguousarray(a, dtype=np.float32).view(np.uint32)
+
+
+def _ours(raw: np.ndarray, qtype: Q, shape: tuple[int, ...]) -> np.ndarray:
+    return quant.dequantize(torch.from_numpy(np.array(raw)), int(qtype), list(shape), torch.float32).numpy()
+
+
+def _random_blocks(qtype: Q, rows: int, blocks_per_row: int, seed: int) -> np.ndarray:
+    """Random bytes (every bit pattern of the quants and the sub-block scales), with the half scales of every
+    other block set to the specials, alone and in pairs."""
+    rng = np.random.default_rng(seed)
+    size = gguf.GGML_QUANT_SIZES[qtype][1]
+    raw = rng.integers(0, 256, (rows * blocks_per_row, size), dtype=np.uint8)
+    special = SPECIAL_HALVES.view(np.uint8).reshape(-1, 2)
+    for at in SCALES[qtype]:
+        picks = rng.integers(0, len(special), len(raw) // 2)
+        raw[::2][:, at:at + 2] = special[picks]
+    return raw.reshape(rows, -1)
+
+
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")  # gguf-py's numpy on NaN and infinite scales
+@pytest.mark.parametrize("qtype", sorted(quant.KEPT), ids=lambda q: Q(q).name)
+def test_random_blocks_bit_for_bit(qtype):
+    raw = _random_blocks(Q(qtype), rows=48, blocks_per_row=3, seed=int(qtype))
+    want = gguf.quants.dequantize(raw, Q(qtype))
+    got = _ours(raw, Q(qtype), want.shape)
+    assert got.shape == want.shape and got.dtype == np.float32
+    differ = np.flatnonzero(_bits(got) != _bits(want))
+    assert differ.size == 0, [(hex(_bits(want).flat[i]), hex(_bits(got).flat[i])) for i in differ[:5]]
+    if qtype not in (Q.F32, Q.BF16):
+        assert np.isnan(want).any() and np.isinf(want).any()  # the specials reached the values
+
+
+def test_every_f16_and_bf16_bit_pattern():
+    # The CPU's half-to-float conversion quiets signalling NaNs; gguf-py (numpy) keeps their bits.
+    every = np.arange(1 << 16, dtype=np.uint16).view(np.uint8).reshape(1, -1)
+    for qtype in (Q.F16, Q.BF16):
+        want = gguf.quants.dequantize(every, qtype)
+        assert (_bits(_ours(every, qtype, want.shape)) == _bits(want)).all(), qtype.name
+
+
+def test_every_tensor_of_the_shipped_gguf():
+    reader = gguf.GGUFReader(default_gguf_path())
+    seen = set()
+    for t in reader.tensors:
+        raw = np.asarray(t.data).view(np.uint8).reshape(*t.data.shape[:-1], -1)
+        want = gguf.quants.dequantize(t.data, t.tensor_type)
+        got = _ours(raw, t.tensor_type, want.shape)
+        assert (_bits(got) == _bits(want)).all(), t.name
+        seen.add(t.tensor_type.name)
+    assert seen == {"Q4_1", "Q8_0", "F32"} and len(reader.tensors) == 272
+
+
+def test_output_dtype_is_the_argument():
+    raw = _random_blocks(Q.Q8_0, rows=4, blocks_per_row=2, seed=1)
+    raw[:, 0:2] = raw[:, 34:36] = np.array([0x1400], np.uint16).view(np.uint8)  # small finite scales
+    exact = quant.dequantize(torch.from_numpy(raw), int(Q.Q8_0), [4, 64], torch.float32)
+    half = quant.dequantize(torch.from_numpy(raw), int(Q.Q8_0), [4, 64], torch.bfloat16)
+    assert half.dtype == torch.bfloat16 and torch.equal(half, exact.to(torch.bfloat16))
+
+
+def test_bad_blocks_are_refused():
+    raw = torch.zeros(4, 34, dtype=torch.uint8)
+    with pytest.raises(ValueError, match="do not hold"):
+        quant.dequantize(raw, int(Q.Q8_0), [4, 64], torch.float32)  # 2 blocks a row need 68 bytes
+    with pytest.raises(ValueError, match="no dequantization kernel"):
+        quant.dequantize(raw, int(Q.Q2_K), [4, 256], torch.float32)
+
+
+def test_the_fake_kernel_sizes_the_float_copy():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        blocks = torch.empty(1536, 360, dtype=torch.uint8)
+        out = torch.ops.remat.dequantize(blocks, int(Q.Q4_1), [1536, 576], torch.float32)
+    assert out.shape == (1536, 576) and out.dtype == torch.float32
