@@ -471,3 +471,30 @@ def test_a_jobs_budget_leaves_room_for_the_decode_slots(tmp_path):
         assert (m.budget(s).bytes, m.budget(s).deducted) == (64 << 20, ())
     finally:
         m.close()
+
+
+def test_half_written_folders_of_a_killed_server_are_removed(tmp_path):
+    """`kill -9` during a checkpoint or a publish leaves `.<name>.tmp-*` folders (`files.staged`): the next server
+    removes them as it starts, and a job removes its own as it starts again; complete checkpoints stay."""
+    m = new_manager(tmp_path)
+    r = m.submit(LONG)
+    wait_for(m, r["id"], "step")
+    m.cancel(r["id"])
+    m.close()
+    job = tmp_path / "jobs" / r["id"]
+    complete = sorted(p.name for p in job.iterdir())
+    assert complete and all(p.startswith("checkpoint-") for p in complete)
+    stale = [job / ".checkpoint-9.tmp-x1", tmp_path / "adapters" / ".job-0.tmp-x2", tmp_path / "models" / ".m.tmp-x3"]
+    for p in stale:
+        (p / "half").mkdir(parents=True)
+    m = new_manager(tmp_path)
+    try:
+        assert not any(p.exists() for p in stale)
+        assert sorted(p.name for p in job.iterdir()) == complete
+        (job / ".checkpoint-10.tmp-x4").mkdir()  # as if the job had been killed again
+        m.resume(r["id"])
+        wait_for(m, r["id"], "step", after=m.events_since(r["id"])[-1]["id"])
+        assert not (job / ".checkpoint-10.tmp-x4").exists()
+        m.cancel(r["id"])
+    finally:
+        m.close()
