@@ -12,6 +12,7 @@ from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils._pytree import tree_leaves
 
 from remat.base.settings import one_line
+from remat.models import scan
 from remat.models.hf import UnsupportedModel, causal_lm, decoder_layers, decoder_of, prepare
 
 
@@ -32,6 +33,10 @@ class _ProbeCache:
     def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
         self.shapes[f"k.{layer_idx}"], self.shapes[f"v.{layer_idx}"] = key_states.shape, value_states.shape
         return key_states, value_states
+
+    def update_indexer(self, key_states, layer_idx: int):
+        self.shapes[f"index.{layer_idx}"] = key_states.shape
+        return key_states
 
     def get_query_offset(self, layer_idx: int = 0) -> int:
         return 0
@@ -99,7 +104,7 @@ def _scans_from_zero(lm: Any, batch: int, shapes: dict[str, tuple[int, ...]]) ->
     fake = next((p for p in lm.parameters() if isinstance(p, FakeTensor)), None)
     with fake.fake_mode if fake is not None else contextlib.nullcontext():
         probe = _CarriedStateProbe(shapes, next(lm.parameters()).dtype)
-    with _StateReads(probe):
+    with _StateReads(probe), scan.carried(lm):
         _run_probe(lm, batch, probe)
     return sorted({int(k.split(".")[1]) for k in probe.carried.keys() - probe.read})
 
@@ -112,11 +117,14 @@ class _PaddedProbeCache(_ProbeCache):
         super().__init__()
         self.pad = pad
 
-    def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
-        def padded(t: torch.Tensor) -> torch.Tensor:
-            return torch.cat([t, t.new_zeros(*t.shape[:2], self.pad, *t.shape[3:])], dim=2)
+    def _padded(self, t: torch.Tensor, dim: int) -> torch.Tensor:
+        return torch.cat([t, t.new_zeros(*t.shape[:dim], self.pad, *t.shape[dim + 1:])], dim=dim)
 
-        return padded(key_states), padded(value_states)
+    def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
+        return self._padded(key_states, ROWS["k"]), self._padded(value_states, ROWS["v"])
+
+    def update_indexer(self, key_states, layer_idx: int):
+        return self._padded(key_states, ROWS["index"])
 
     def get_mask_sizes(self, query_length: int, layer_idx: int = 0) -> tuple[int, int]:
         return query_length + self.pad, 0
@@ -159,6 +167,17 @@ def _reads_cache_length(lm: Any, batch: int, ctx: int) -> bool:
     return not torch.allclose(plain, padded, rtol=1e-4, atol=1e-5)
 
 
+# The caches that hold a row per token of the window, and the dimension of their rows: attention's keys and values
+# (batch, heads, tokens, dim), a sparse-attention indexer's keys (batch, tokens, dim). The other states are carried.
+ROWS = {"k": 2, "v": 2, "index": 1}
+
+
+def _over_window(name: str, shape: tuple[int, ...], ctx: int) -> tuple[int, ...]:
+    """A state's shape for the whole window: a cache's rows for every token of it, a carried state as probed."""
+    dim = ROWS.get(name.split(".")[0])
+    return tuple(shape) if dim is None else (*shape[:dim], ctx, *shape[dim + 1:])
+
+
 class Probes:
     """What the walk learns of a model by running it, asked once each: its states' shapes (per batch), whether its
     attention masks by the cache's length (per window), whether its scans start from the carried state. One per
@@ -198,7 +217,7 @@ class Probes:
                                        "sequence scan does not start from the state carried in from the previous chunk")
         if not shapes:
             raise UnsupportedModel(f"the walk path does not support {lm.config.model_type}: its layers keep no cache")
-        return {k: (*v[:2], ctx, *v[3:]) if k[:2] in ("k.", "v.") else tuple(v) for k, v in shapes.items()}
+        return {k: _over_window(k, v, ctx) for k, v in shapes.items()}
 
     def _shapes(self, batch: int) -> dict[str, tuple[int, ...]]:
         if batch not in self.shapes:
@@ -227,6 +246,11 @@ class WalkCache:
         keys.index_copy_(2, self.positions, key_states)
         values.index_copy_(2, self.positions, value_states)
         return keys, values
+
+    def update_indexer(self, key_states: torch.Tensor, layer_idx: int) -> torch.Tensor:
+        keys = self.state[f"index.{layer_idx}"]
+        keys.index_copy_(1, self.positions, key_states)
+        return keys
 
     def get_query_offset(self, layer_idx: int = 0) -> torch.Tensor:
         return self.offset
@@ -285,6 +309,10 @@ class ExactWalkCache(WalkCache):
         self.made[k], self.made[v] = key_states, value_states
         return (self.state[k].index_copy(2, self.positions, key_states),
                 self.state[v].index_copy(2, self.positions, value_states))
+
+    def update_indexer(self, key_states: torch.Tensor, layer_idx: int) -> torch.Tensor:
+        # the indexer scores keys without grad: no gradient leaves through its rows
+        return self.state[f"index.{layer_idx}"].index_copy(1, self.positions, key_states)
 
     def get_recurrent_state(self, layer_idx: int, state_idx: int = 0) -> torch.Tensor:
         return self.state[_name("recurrent", layer_idx, state_idx)]  # nothing overwrites it in this step

@@ -206,7 +206,12 @@ def _read_json_config(path: pathlib.Path) -> transformers.PretrainedConfig:
         raise ModelError(f"cannot read config '{path}': {one_line(e)}") from None
     if not isinstance(d, dict) or "model_type" not in d:
         raise ModelError(f"'{path}' is not a model config.json (no model_type)")
-    return _config_from_dict(d)
+    # transformers' own reader: it decodes what its writer encodes (`save_pretrained` writes Mamba-2-style
+    # `time_step_limit: [0.0, inf]` as `[0.0, {"__float__": "Infinity"}]`), which the config classes do not take
+    try:
+        return transformers.AutoConfig.from_pretrained(path, local_files_only=True)
+    except (OSError, ValueError, TypeError, KeyError) as e:
+        raise ModelError(f"bad config for model_type '{d['model_type']}': {one_line(e)}") from None
 
 
 def load_config(spec: str | None, *, num_layers: int | None = None) -> transformers.PretrainedConfig:

@@ -15,9 +15,10 @@ import torch
 from torch import nn
 
 from remat.core.graph import StepInputs
+from remat.models import scan
 from remat.models.hf import decoder_of
 from remat.models.hf_cache import Probes, WalkCache
-from remat.models.steps import KV, carried, new_state
+from remat.models.steps import KV, carried, differentiated, new_state
 
 
 class Walk:
@@ -28,7 +29,7 @@ class Walk:
         self.params = list(StepInputs.of(model).trainable.values())
         self.state = new_state(model, batch, ctx, probes)
         self.carried = carried(list(self.state))
-        self.grad = {k: torch.zeros_like(t) for k, t in self.state.items()} if exact else {}
+        self.grad = {k: torch.zeros_like(self.state[k]) for k in differentiated(list(self.state))} if exact else {}
         self.grad_start = {k: torch.zeros_like(self.state[k]) for k in self.carried} if exact else {}
 
     def chunks(self, input_ids: torch.Tensor, labels: torch.Tensor,
@@ -67,7 +68,7 @@ class Walk:
         cache, and return each chunk's start state (conv, recurrent)."""
         decoder = decoder_of(self.model)
         start_states = []
-        with torch.no_grad():
+        with torch.no_grad(), scan.carried(self.model):
             for start in range(0, self.ctx, self.ubatch):
                 before_chunk()
                 start_states.append({k: self.state[k].clone() for k in self.carried})
