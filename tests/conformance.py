@@ -12,6 +12,10 @@ The oracle is the model's own definition: `model(input_ids, labels=hf_labels)` a
 plain eager transformers, fp32. remat's labels are already the next token (`causal_lm_loss` does not
 shift); transformers shifts internally, so `hf_labels` is remat's labels moved one to the right.
 
+The user's path is part of each family's checks: the tiny model and the tiny byte tokenizer saved with
+`save_pretrained`, trained from that folder by `finetune` with the CLI's hooks (the gate from the config read off
+the folder, then the weights), losses bitwise the same run's on the model in memory (`trained_from_folder`).
+
 `python tests/conformance.py --table` prints the README's support table from the matrix.
 """
 
@@ -27,7 +31,9 @@ import torch
 import transformers
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
-VOCAB, HIDDEN, BATCH, SEQ, UBATCH, WINDOW = 256, 64, 2, 16, 8, 4  # WINDOW: sliding / chunked attention, < SEQ
+# VOCAB: the tiny byte tokenizer's (`models.load.tiny_tokenizer`), so the matrix's model is the one saved with it.
+# WINDOW: sliding / chunked attention, < SEQ
+VOCAB, HIDDEN, BATCH, SEQ, UBATCH, WINDOW = 259, 64, 2, 16, 8, 4
 
 # Tiny sizes, applied to the fields a config class has (its defaults' keys): nothing else is added.
 TINY = {
@@ -334,7 +340,8 @@ def _attempt(report: Report, check: str, fn) -> object:
 
 @functools.cache
 def check(name: str) -> Report:
-    """Run every check of one family: oracle, ubatch (recompute off, on), plan vs measured, walk, LoRA."""
+    """Run every check of one family: oracle, ubatch (recompute off, on, verify), plan vs measured, walk, LoRA,
+    trained from a saved folder."""
     from remat.core.graph import StepInputs
     from remat.core.plan import measure, plan
     from remat.core.recompute import LAYER, Rewriter, verify
@@ -351,6 +358,7 @@ def check(name: str) -> Report:
     del own
     model = models.build_from_config(tiny_config(name))
     model.train()
+    graphs = {}  # the traced step, recompute on: the in-memory run of the saved-folder check runs it
 
     def ubatch():
         tg = window_step(model, ids, labels)
@@ -359,7 +367,7 @@ def check(name: str) -> Report:
         by_name = dict(zip(names, grads))
         off = tg(*args)
         rewriter = Rewriter(tg)
-        rt = rewriter(LAYER)
+        rt = graphs["on"] = rewriter(LAYER)
         on, measured = measure(rt, args)
         on = (on[0], on[1:])
         for key, (value, g) in (("off", off), ("on", on)):
@@ -414,7 +422,7 @@ def check(name: str) -> Report:
 
     def folder():
         with tempfile.TemporaryDirectory() as tmp:
-            report.folder_losses, report.memory_losses = trained_from_folder(name, pathlib.Path(tmp))
+            report.folder_losses, report.memory_losses = trained_from_folder(name, pathlib.Path(tmp), graphs.get("on"))
 
     _attempt(report, "folder", folder)
     return report
@@ -430,30 +438,33 @@ def save(name: str, folder: pathlib.Path) -> tuple[transformers.PreTrainedModel,
     from remat.models import load as models
 
     tokenizer = models.tiny_tokenizer()
-    model = build(name, attn=None, vocab_size=len(tokenizer))
+    assert len(tokenizer) == VOCAB
+    model = build(name, attn=None)
     model.save_pretrained(folder)
     tokenizer.save_pretrained(folder)
     return model, tokenizer
 
 
 def folder_settings(folder: pathlib.Path, **extra: object):
-    """A few steps of full fine-tuning on the bundled corpus, recompute on, from `folder`."""
+    """A few steps of full fine-tuning on the bundled corpus, recompute on, from `folder`: one batch is the
+    matrix's shape (`BATCH`, `SEQ`), so the matrix's traced step is the one that trains."""
     from remat.base.settings import TrainSettings
 
     return TrainSettings(model=str(folder), ctx=SEQ, batch=BATCH, steps=FOLDER_STEPS, lora=False, recompute="on",
                          **extra)
 
 
-def in_memory_losses(model: torch.nn.Module, tokenizer, s, policy: str) -> list[float]:
+def in_memory_losses(model: torch.nn.Module, tokenizer, s, graph=None) -> list[float]:
     """The trainer's loop (`train._train`) on the model held in memory: the same windows, batches, step graph
-    (`Planner`, `BatchRunner`), gradients (`set_grads`) and AdamW; only the loading is left out."""
+    (`graph`, else the `Planner`'s), runner (`BatchRunner`), gradients (`set_grads`) and AdamW; only the loading
+    is left out."""
     from remat.core.graph import StepInputs
     from remat.training import data, train
     from remat.training.step import Planner, StepShape
 
     windows = data.load_windows(data.default_data_path(), tokenizer, s.ctx, s.batch, pack=s.pack)
-    planner = Planner(model)
-    runner = train.BatchRunner(model, planner.build(StepShape.of(s), policy), s, train.Hooks(), planner.probes)
+    graph = graph or Planner(model).build(StepShape.of(s), s.recompute)
+    runner = train.BatchRunner(model, graph, s, train.Hooks())
     params = list(StepInputs.of(model).trainable.values())
     optimizer = torch.optim.AdamW(params, lr=s.learning_rate, weight_decay=0.0)
     batches = data.batches(windows, s.batch, seed=s.seed, epoch=0)
@@ -465,15 +476,16 @@ def in_memory_losses(model: torch.nn.Module, tokenizer, s, policy: str) -> list[
     return losses
 
 
-def trained_from_folder(name: str, folder: pathlib.Path) -> tuple[list[float], list[float]]:
+def trained_from_folder(name: str, folder: pathlib.Path, graph=None) -> tuple[list[float], list[float]]:
     """(losses trained from the saved folder by `finetune`, with the CLI's hooks: the gate from the config read
-    off the folder first; the same run's losses on the model in memory)."""
+    off the folder first; the same run's losses on the model in memory, through `graph` where it is traced)."""
     from remat.training.train import Hooks, finetune
 
     model, tokenizer = save(name, folder)
     s = folder_settings(folder)
     receipt = finetune(s, progress=False, hooks=Hooks(on_early_plan=lambda gate: None))
-    return receipt.losses, in_memory_losses(model, tokenizer, s, receipt.policy)
+    assert receipt.policy == s.recompute, receipt.policy
+    return receipt.losses, in_memory_losses(model, tokenizer, s, graph)
 
 
 def matrix_families() -> list[str]:

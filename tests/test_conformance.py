@@ -7,8 +7,10 @@ model's own eager forward + backward (relative difference <= 1e-5, fp32; grads p
 a gradient that is a sum cancelling to near zero is held to the largest one's scale); (ii) recompute on == off
 bitwise; (iii) planned graph peak == measured; (iv) the exact walk's window loss == the one-graph
 window's, its grads == the model's own (per tensor, `conformance.grads_rel`); (v) LoRA trains (one
-step changes the adapter, its grads are PEFT's own eager backward's). Each family's checks run once
-(`conformance.check`).
+step changes the adapter, its grads are PEFT's own eager backward's); (vi) `remat verify` finds every
+recompute clone equal; (vii) the user's path: trained from a folder written by `save_pretrained` through
+`finetune` as the CLI calls it, its losses bitwise the same run's on the model in memory. Each family's
+checks run once (`conformance.check`).
 """
 
 from __future__ import annotations
@@ -199,4 +201,5 @@ def test_the_cli_trains_a_saved_folder(name, tmp_path):
     run = subprocess.run(cmd, capture_output=True, text=True, timeout=300, check=False)
     assert run.returncode == 0, run.stderr[-2000:]
     receipt = json.loads(run.stdout)
-    assert receipt["losses"] == C.in_memory_losses(model, tokenizer, s, receipt["policy"])
+    assert receipt["policy"] == s.recompute
+    assert receipt["losses"] == C.in_memory_losses(model, tokenizer, s)

@@ -4,10 +4,9 @@ that attention and recurrent layers call over the walk's persistent buffers (bes
 from __future__ import annotations
 
 import contextlib
-import functools
 import sys
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 from torch import nn
@@ -27,6 +26,9 @@ def walking(model: nn.Module) -> Iterator[None]:
     lm = causal_lm(model)
     with scan.carried(lm), masks.by_positions(lm):
         yield
+
+
+K = TypeVar("K")  # a cache class
 
 
 def _name(kind: str, layer_idx: int, state_idx: int = 0) -> str:
@@ -159,11 +161,15 @@ def own_cache(lm: Any) -> type | None:
     return own[0] if len(own) == 1 else None
 
 
-@functools.cache
-def of_family(kind: type, family: type | None) -> type:
+_MIXED: dict[tuple[type, type], type] = {}
+
+
+def of_family(kind: type[K], family: type | None) -> type[K]:
     """`kind` (a walk or probe cache), also an instance of the family's own cache class where the decoder takes
     no other (MiniMax checks `isinstance(cache, MiniMaxCache)`): `kind`'s methods first, the family's never run."""
-    return kind if family is None else type(kind.__name__, (kind, family), {})
+    if family is None:
+        return kind
+    return _MIXED.setdefault((kind, family), type(kind.__name__, (kind, family), {}))
 
 
 def _run_probe(lm: Any, batch: int, cache: _ProbeCache, family: type | None = None) -> Any:
@@ -227,7 +233,7 @@ class Probes:
         self.from_zero: dict[int, list[int]] = {}
         self.family: type | None = None  # the family's own cache class, where its decoder takes no other
 
-    def cache(self, kind: type[WalkCache]) -> type[WalkCache]:
+    def cache(self, kind: type[K]) -> type[K]:
         """The walk's cache class for this model: `kind`, an instance of the family's own cache where it must be."""
         return of_family(kind, self.family)
 

@@ -31,8 +31,8 @@ class _Rows:
     """Forward hooks on one layer: before the call its buffer's rows of the queries' positions, at the rows the
     layer reads; after the call its own buffer back."""
 
-    def __init__(self, module: nn.Module):
-        self.own = module._buffers[BUFFER]
+    def __init__(self) -> None:
+        self.own: torch.Tensor | None = None
 
     def before(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
         cache = kwargs.get("layer_past")
@@ -41,9 +41,10 @@ class _Rows:
         hidden = args[0] if args else kwargs["hidden_states"]
         queries = hidden.shape[1]
         keys = cache.get_mask_sizes(queries)[0]  # the rows the cache hands the layer: the whole window's
-        self.own = module._buffers[BUFFER]  # what is there now (under tracing: the step's placeholder)
+        own = self.own = module._buffers[BUFFER]  # what is there now (under tracing: the step's placeholder)
+        assert own is not None
         positions = cache.get_query_offset() + torch.arange(queries, device=hidden.device)
-        rows = self.own[:, :, :, :keys].index_select(2, positions)
+        rows = own[:, :, :, :keys].index_select(2, positions)
         module._buffers[BUFFER] = torch.cat([rows.new_zeros(1, 1, keys - queries, keys), rows], dim=2)
 
     def after(self, module: nn.Module, args: tuple, kwargs: dict, output: object) -> None:
@@ -57,7 +58,7 @@ def by_positions(model: nn.Module) -> Iterator[None]:
     handles = []
     for module in model.modules():
         if _cuts_by_length(module):
-            rows = _Rows(module)
+            rows = _Rows()
             handles.append(module.register_forward_pre_hook(rows.before, with_kwargs=True))
             handles.append(module.register_forward_hook(rows.after, with_kwargs=True))
     try:

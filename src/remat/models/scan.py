@@ -3,9 +3,9 @@
 transformers' `mamba_selective_scan` (its torch path: a loop over the tokens) always starts from a zero state: its
 `mamba_scan_forward` reads the layer's recurrent state from the cache and hands it to nothing ("it is WRONG if the
 cache is not empty", its own comment says). The walk's chunks would each start from zero. While the walk runs the
-model (`carried`: the chunk's trace, the forward sweep, the probe that checks a scan reads its state), each such
-module's `mamba_scan_forward` binds the layer's carried state, and its `mamba_selective_scan` runs `scan_from`:
-the model's own loop, op for op, from that state instead of zeros. From a zero state it is the model's function
+model (`carried`: the chunk's trace, the forward sweep, the probes), each such module's `mamba_scan_forward`
+runs with its module's `mamba_selective_scan` bound to the layer's carried state: `scan_from`, the model's own
+loop, op for op, from that state instead of zeros. From a zero state it is the model's function
 bitwise (tests/test_scan.py holds it), so the walk's chunks compute what the window computes.
 Without a bound state (the window path, a cache that holds none) the model's own function runs.
 """
@@ -13,7 +13,6 @@ Without a bound state (the window path, a cache that holds none) the model's own
 from __future__ import annotations
 
 import contextlib
-import contextvars
 import functools
 import sys
 from collections.abc import Callable, Iterator
@@ -23,7 +22,6 @@ import torch.nn.functional as F
 from torch import nn
 
 SCAN, FORWARD = "mamba_selective_scan", "mamba_scan_forward"  # transformers' functions, module-level per family
-_state: contextvars.ContextVar[torch.Tensor | None] = contextvars.ContextVar("remat_scan_state", default=None)
 
 
 def scan_from(state: torch.Tensor, hidden_states: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor,
@@ -54,21 +52,21 @@ def scan_from(state: torch.Tensor, hidden_states: torch.Tensor, dt: torch.Tensor
     return (scan_output, ssm_state) if return_last_state else scan_output
 
 
-def _scan(*args: object, own: Callable, **kwargs: object):
-    state = _state.get()
-    return own(*args, **kwargs) if state is None else scan_from(state, *args, **kwargs)  # type: ignore[arg-type]
-
-
-def _forward(module: nn.Module, *args: object, own: Callable, **kwargs: object):
-    """The model's `mamba_scan_forward` (module, hidden_states, time_step, B, C, gate, cache), its scan bound to the
-    layer's carried state."""
+def _forward(module: nn.Module, *args: object, own: Callable, family: str, **kwargs: object):
+    """The model's `mamba_scan_forward` (module, hidden_states, time_step, B, C, gate, cache), its module's scan
+    bound, for this call, to the layer's carried state where the cache holds one (the walk's)."""
     cache = args[5] if len(args) > 5 else kwargs.get("cache")
     get: Callable | None = getattr(cache, "get_recurrent_state", None)
-    token = _state.set(get(module.layer_idx) if get is not None else None)
+    state = get(module.layer_idx) if get is not None else None
+    if state is None:  # the window path: no cache
+        return own(module, *args, **kwargs)
+    scans = sys.modules[family]
+    plain = getattr(scans, SCAN)
+    setattr(scans, SCAN, functools.partial(scan_from, state))
     try:
         return own(module, *args, **kwargs)
     finally:
-        _state.reset(token)
+        setattr(scans, SCAN, plain)
 
 
 def _own(fn: Callable) -> Callable:
@@ -82,13 +80,11 @@ def carried(model: nn.Module) -> Iterator[None]:
     modules = [sys.modules[n] for n in sorted(names)
                if n in sys.modules and callable(getattr(sys.modules[n], SCAN, None))
                and callable(getattr(sys.modules[n], FORWARD, None))]
-    before = {m: (getattr(m, SCAN), getattr(m, FORWARD)) for m in modules}
-    for m, (scan, forward) in before.items():
-        setattr(m, SCAN, functools.partial(_scan, own=_own(scan)))
-        setattr(m, FORWARD, functools.partial(_forward, own=_own(forward)))
+    before = {m: getattr(m, FORWARD) for m in modules}
+    for m, forward in before.items():
+        setattr(m, FORWARD, functools.partial(_forward, own=_own(forward), family=m.__name__))
     try:
         yield
     finally:
-        for m, (scan, forward) in before.items():
-            setattr(m, SCAN, scan)
+        for m, forward in before.items():
             setattr(m, FORWARD, forward)

@@ -109,7 +109,7 @@ def chunk_loss(model: nn.Module, *inputs: torch.Tensor, names: list[str], loss_c
 
 
 def exact_chunk_loss(model: nn.Module, *inputs: torch.Tensor, names: list[str], loss_chunk: int,
-                     cache_class: type[WalkCache] = ExactWalkCache) -> Seeded:
+                     cache_class: type[ExactWalkCache] = ExactWalkCache) -> Seeded:
     """The exact walk's chunk: its loss, seeded with the gradient later chunks sent to what it made.
 
     Inputs: the cache and this chunk's start states (`names`), their gradient buffers (`grad.*`, `differentiated`: the
@@ -157,8 +157,9 @@ def chunk_step(model: nn.Module, batch: int, ctx: int, ubatch: int, *, loss_chun
         "input_ids": ("input", torch.zeros(batch, ubatch, dtype=torch.long)),
         "labels": ("input", torch.zeros(batch, ubatch, dtype=torch.long)),
     }
-    loss = functools.partial(exact_chunk_loss if exact else chunk_loss, names=names, loss_chunk=loss_chunk,
-                             cache_class=probes.cache(ExactWalkCache if exact else WalkCache))
+    loss = (functools.partial(exact_chunk_loss, cache_class=probes.cache(ExactWalkCache)) if exact
+            else functools.partial(chunk_loss, cache_class=probes.cache(WalkCache)))
+    loss = functools.partial(loss, names=names, loss_chunk=loss_chunk)
     # the exact walk keeps every chunk's start state from the forward sweep (the graph sees one of them)
     starts = ctx // ubatch * sum(inputs[k][1].nbytes for k in carried(names)) if exact else 0
     info = {"shape": (batch, ubatch), "ctx": ctx, "path": "walk", "walk": "exact" if exact else "truncated",
