@@ -31,6 +31,17 @@ def walking(model: nn.Module) -> Iterator[None]:
 K = TypeVar("K")  # a cache class
 
 
+# The caches that hold a row per token of the window, and the dimension of their rows: attention's keys and values
+# (batch, heads, tokens, dim), a sparse-attention indexer's keys (batch, tokens, dim). The other states are carried.
+ROWS = {"k": 2, "v": 2, "index": 1}
+
+
+def _over_window(name: str, shape: tuple[int, ...], ctx: int) -> tuple[int, ...]:
+    """A state's shape for the whole window: a cache's rows for every token of it, a carried state as probed."""
+    dim = ROWS.get(name.split(".")[0])
+    return tuple(shape) if dim is None else (*shape[:dim], ctx, *shape[dim + 1:])
+
+
 def _name(kind: str, layer_idx: int, state_idx: int = 0) -> str:
     """A carried state's name: `conv.3`, or `conv.3.1` for a layer's second one (Inkling's layers keep four
     short-convolution states, told apart by `state_idx`)."""
@@ -173,7 +184,8 @@ def of_family(kind: type[K], family: type | None) -> type[K]:
 
 
 def _run_probe(lm: Any, batch: int, cache: _ProbeCache, family: type | None = None) -> Any:
-    """The decoder on two tokens over a probe cache (in the fake mode of a model built without weights)."""
+    """The decoder on two tokens over a probe cache (in the fake mode of a model built without weights), the
+    cache made an instance of the family's own cache class where the decoder takes no other."""
     cache.__class__ = of_family(type(cache), family)
     params = [p for p in lm.parameters()]
     mode = next((p.fake_mode for p in params if isinstance(p, FakeTensor)), None)
@@ -208,17 +220,6 @@ def _reads_cache_length(lm: Any, batch: int, ctx: int, family: type | None) -> b
         for m, mode in training.items():
             m.training = mode
     return not torch.allclose(plain, padded, rtol=1e-4, atol=1e-5)
-
-
-# The caches that hold a row per token of the window, and the dimension of their rows: attention's keys and values
-# (batch, heads, tokens, dim), a sparse-attention indexer's keys (batch, tokens, dim). The other states are carried.
-ROWS = {"k": 2, "v": 2, "index": 1}
-
-
-def _over_window(name: str, shape: tuple[int, ...], ctx: int) -> tuple[int, ...]:
-    """A state's shape for the whole window: a cache's rows for every token of it, a carried state as probed."""
-    dim = ROWS.get(name.split(".")[0])
-    return tuple(shape) if dim is None else (*shape[:dim], ctx, *shape[dim + 1:])
 
 
 class Probes:
