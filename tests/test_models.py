@@ -149,6 +149,15 @@ def test_a_saved_config_is_read_as_transformers_reads_it(tmp_path):
         assert {k: v for k, v in read.to_dict().items() if k != "_name_or_path"} == mine
 
 
+@pytest.mark.parametrize(("config", "why"), [({"model_type": "nope"}, "knows no model_type 'nope'"),
+                                             ({"model_type": "llama", "hidden_size": "x"}, "hidden_size")])
+def test_a_bad_config_is_refused_in_one_line(tmp_path, config, why):
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ModelError, match=why) as refused:
+        load_config(str(tmp_path))
+    assert "\n" not in str(refused.value)
+
+
 @pytest.mark.parametrize("name", ["tiny-llama", "tiny-qwen35"])
 def test_tiny_presets_are_deterministic_per_seed(name):
     a, b, c = load_model(name, seed=1), load_model(name, seed=1), load_model(name, seed=2)
