@@ -12,20 +12,28 @@ The oracle is the model's own definition: `model(input_ids, labels=hf_labels)` a
 plain eager transformers, fp32. remat's labels are already the next token (`causal_lm_loss` does not
 shift); transformers shifts internally, so `hf_labels` is remat's labels moved one to the right.
 
+The user's path is part of each family's checks: the tiny model and the tiny byte tokenizer saved with
+`save_pretrained`, trained from that folder by `finetune` with the CLI's hooks (the gate from the config read off
+the folder, then the weights), losses bitwise the same run's on the model in memory (`trained_from_folder`).
+
 `python tests/conformance.py --table` prints the README's support table from the matrix.
 """
 
 from __future__ import annotations
 
 import functools
+import pathlib
 import sys
+import tempfile
 from dataclasses import dataclass, field
 
 import torch
 import transformers
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
-VOCAB, HIDDEN, BATCH, SEQ, UBATCH, WINDOW = 256, 64, 2, 16, 8, 4  # WINDOW: sliding / chunked attention, < SEQ
+# VOCAB: the tiny byte tokenizer's (`models.load.tiny_tokenizer`), so the matrix's model is the one saved with it.
+# WINDOW: sliding / chunked attention, < SEQ
+VOCAB, HIDDEN, BATCH, SEQ, UBATCH, WINDOW = 259, 64, 2, 16, 8, 4
 
 # Tiny sizes, applied to the fields a config class has (its defaults' keys): nothing else is added.
 TINY = {
@@ -292,6 +300,9 @@ class Report:
     lora_changed: bool | None = None
     lora_grad_rel: float | None = None  # the adapter's grads vs PEFT's own eager backward (worst tensor)
     lora_note: str = ""
+    verify: str | None = None  # `remat verify`'s first difference on the rewritten step ("" when every clone is equal)
+    folder_losses: list[float] | None = None  # trained from the saved folder through `finetune`, as the CLI does
+    memory_losses: list[float] | None = None  # the same run on the model in memory
 
     def status(self, check: str) -> str:
         if check in self.refused:
@@ -299,12 +310,14 @@ class Report:
         if check in self.errors:
             return "error"
         ok = {
-            "ubatch": self.bitwise and self.planned == self.measured
+            "ubatch": self.bitwise and self.planned == self.measured and self.verify == ""
             and max(self.loss_rel.values(), default=1) <= TOL,
             "full": max(self.grad_rel.values(), default=1) <= TOL,
             "walk": self.walk_rel is not None and self.walk_rel <= TOL
             and self.walk_grad_rel is not None and self.walk_grad_rel <= TOL,
             "LoRA": bool(self.lora_changed) and self.lora_grad_rel is not None and self.lora_grad_rel <= TOL,
+            "folder": self.folder_losses is not None and len(self.folder_losses) == FOLDER_STEPS
+            and self.folder_losses == self.memory_losses,
         }[check]
         return "yes" if ok else "differs"
 
@@ -327,10 +340,11 @@ def _attempt(report: Report, check: str, fn) -> object:
 
 @functools.cache
 def check(name: str) -> Report:
-    """Run every check of one family: oracle, ubatch (recompute off, on), plan vs measured, walk, LoRA."""
+    """Run every check of one family: oracle, ubatch (recompute off, on, verify), plan vs measured, walk, LoRA,
+    trained from a saved folder."""
     from remat.core.graph import StepInputs
     from remat.core.plan import measure, plan
-    from remat.core.recompute import LAYER, Rewriter
+    from remat.core.recompute import LAYER, Rewriter, verify
     from remat.models import adapters, steps
     from remat.models import load as models
     from remat.models.steps import window_step
@@ -344,6 +358,7 @@ def check(name: str) -> Report:
     del own
     model = models.build_from_config(tiny_config(name))
     model.train()
+    graphs = {}  # the traced step, recompute on: the in-memory run of the saved-folder check runs it
 
     def ubatch():
         tg = window_step(model, ids, labels)
@@ -352,7 +367,7 @@ def check(name: str) -> Report:
         by_name = dict(zip(names, grads))
         off = tg(*args)
         rewriter = Rewriter(tg)
-        rt = rewriter(LAYER)
+        rt = graphs["on"] = rewriter(LAYER)
         on, measured = measure(rt, args)
         on = (on[0], on[1:])
         for key, (value, g) in (("off", off), ("on", on)):
@@ -362,6 +377,8 @@ def check(name: str) -> Report:
         planned = rewriter.plan(LAYER)  # how `remat plan` plans it: without making the graph
         report.planned = planned.graph if planned == plan(rt) else -1  # and the same plan as the graph's
         report.measured = measured.graph
+        d = verify(rt, args).first_difference
+        report.verify = "" if d is None else f"{d.node} ({d.op}) output {d.output} in {d.mark}: {d.max_abs_diff:g}"
         return off[0]
 
     ubatch_loss = _attempt(report, "ubatch", ubatch)
@@ -402,7 +419,73 @@ def check(name: str) -> Report:
         report.lora_changed = any(not torch.equal(before[k], v) for k, v in tensors.trainable.items())
 
     _attempt(report, "LoRA", lora)
+
+    def folder():
+        with tempfile.TemporaryDirectory() as tmp:
+            report.folder_losses, report.memory_losses = trained_from_folder(name, pathlib.Path(tmp), graphs.get("on"))
+
+    _attempt(report, "folder", folder)
     return report
+
+
+# ------------------------------------------------------------------------------------------ the user's path
+
+FOLDER_STEPS = 2  # optimizer steps trained from a saved folder
+
+
+def save(name: str, folder: pathlib.Path) -> tuple[transformers.PreTrainedModel, transformers.PreTrainedTokenizerBase]:
+    """The family's tiny model and the tiny byte tokenizer, saved as a user saves them (`save_pretrained`)."""
+    from remat.models import load as models
+
+    tokenizer = models.tiny_tokenizer()
+    assert len(tokenizer) == VOCAB
+    model = build(name, attn=None)
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return model, tokenizer
+
+
+def folder_settings(folder: pathlib.Path, **extra: object):
+    """A few steps of full fine-tuning on the bundled corpus, recompute on, from `folder`: one batch is the
+    matrix's shape (`BATCH`, `SEQ`), so the matrix's traced step is the one that trains."""
+    from remat.base.settings import TrainSettings
+
+    return TrainSettings(model=str(folder), ctx=SEQ, batch=BATCH, steps=FOLDER_STEPS, lora=False, recompute="on",
+                         **extra)
+
+
+def in_memory_losses(model: torch.nn.Module, tokenizer, s, graph=None) -> list[float]:
+    """The trainer's loop (`train._train`) on the model held in memory: the same windows, batches, step graph
+    (`graph`, else the `Planner`'s), runner (`BatchRunner`), gradients (`set_grads`) and AdamW; only the loading
+    is left out."""
+    from remat.core.graph import StepInputs
+    from remat.training import data, train
+    from remat.training.step import Planner, StepShape
+
+    windows = data.load_windows(data.default_data_path(), tokenizer, s.ctx, s.batch, pack=s.pack)
+    graph = graph or Planner(model).build(StepShape.of(s), s.recompute)
+    runner = train.BatchRunner(model, graph, s, train.Hooks())
+    params = list(StepInputs.of(model).trainable.values())
+    optimizer = torch.optim.AdamW(params, lr=s.learning_rate, weight_decay=0.0)
+    batches = data.batches(windows, s.batch, seed=s.seed, epoch=0)
+    losses = []
+    for i in range(s.optimizer_steps(len(windows))[1]):
+        losses.append(train.set_grads(params, runner, batches[i * s.accumulate:(i + 1) * s.accumulate]))
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    return losses
+
+
+def trained_from_folder(name: str, folder: pathlib.Path, graph=None) -> tuple[list[float], list[float]]:
+    """(losses trained from the saved folder by `finetune`, with the CLI's hooks: the gate from the config read
+    off the folder first; the same run's losses on the model in memory, through `graph` where it is traced)."""
+    from remat.training.train import Hooks, finetune
+
+    model, tokenizer = save(name, folder)
+    s = folder_settings(folder)
+    receipt = finetune(s, progress=False, hooks=Hooks(on_early_plan=lambda gate: None))
+    assert receipt.policy == s.recompute, receipt.policy
+    return receipt.losses, in_memory_losses(model, tokenizer, s, graph)
 
 
 def matrix_families() -> list[str]:
@@ -431,8 +514,8 @@ def build_error(name: str) -> str | None:
 
 
 def table(rows: dict[str, dict[str, str]]) -> str:
-    """Markdown: family x window / walk / LoRA / full, from {family: {column: status}}."""
-    cols = ("window", "walk", "LoRA", "full")
+    """Markdown: family x window / walk / LoRA / full / folder, from {family: {column: status}}."""
+    cols = ("window", "walk", "LoRA", "full", "folder")
     lines = ["| family | " + " | ".join(cols) + " | notes |", "|---|" + "---|" * len(cols) + "---|"]
     for name in sorted(rows):
         r = rows[name]
@@ -441,7 +524,7 @@ def table(rows: dict[str, dict[str, str]]) -> str:
 
 
 def report_row(r: Report) -> dict[str, str]:
-    row = {c: r.status(c) for c in ("walk", "LoRA", "full")} | {"window": r.status("ubatch")}
+    row = {c: r.status(c) for c in ("walk", "LoRA", "full", "folder")} | {"window": r.status("ubatch")}
     notes = sorted({f"{c.replace('ubatch', 'window')}: {m}" for c, m in r.refused.items() if c != "full"})
     notes += [f"open: {why}" for (name, c), why in KNOWN_FAILURES.items() if name == r.name]
     if r.lora_note:

@@ -7,8 +7,10 @@ model's own eager forward + backward (relative difference <= 1e-5, fp32; grads p
 a gradient that is a sum cancelling to near zero is held to the largest one's scale); (ii) recompute on == off
 bitwise; (iii) planned graph peak == measured; (iv) the exact walk's window loss == the one-graph
 window's, its grads == the model's own (per tensor, `conformance.grads_rel`); (v) LoRA trains (one
-step changes the adapter, its grads are PEFT's own eager backward's). Each family's checks run once
-(`conformance.check`).
+step changes the adapter, its grads are PEFT's own eager backward's); (vi) `remat verify` finds every
+recompute clone equal; (vii) the user's path: trained from a folder written by `save_pretrained` through
+`finetune` as the CLI calls it, its losses bitwise the same run's on the model in memory. Each family's
+checks run once (`conformance.check`).
 """
 
 from __future__ import annotations
@@ -132,29 +134,72 @@ def test_router_aux_loss_is_the_models(name):
         steps.chunk_step(model, C.BATCH, C.SEQ, C.UBATCH)
 
 
-@pytest.mark.parametrize("name", ["mistral", "gemma3_text", "qwen3_moe", "granite"])
-def test_finetune_a_saved_model_folder(name, tmp_path):
-    """`remat finetune --model <folder>` on a saved tiny model (config.json, safetensors, tokenizer): the first
-    step's loss is the model's own on that batch (its forward's logits: sliding window, softcapping, scaling)."""
-    import torch.nn.functional as F
-    import transformers
+@pytest.mark.parametrize("name", FAMILIES)
+def test_verify_finds_every_clone_equal(name, known):
+    """(vi) `remat verify` on the rewritten step: every recompute clone equals its original where the backward
+    reads it (routers' top-k included: their values divided in place after, their indices what is read)."""
+    known(name, "verify")
+    r = C.check(name)
+    if "ubatch" in r.refused:
+        pytest.skip(r.refused["ubatch"])
+    _no_errors(r, "ubatch")
+    assert r.verify == "", r.verify
 
-    from remat.base.settings import TrainSettings
+
+def test_verify_finds_a_planted_difference_in_a_router():
+    """A router's recomputed top-k made to pick other experts (its input negated): verify names it, at the
+    output the backward reads (the indices), though its values are not compared."""
+    from torch.ops import aten
+
+    from remat.core.graph import StepInputs
+    from remat.core.recompute import CLONE_OF, read_outputs, rewrite, verify
     from remat.models import load as models
-    from remat.training import data
-    from remat.training.train import finetune
+    from remat.models.steps import window_step
 
-    folder = tmp_path / name
-    tokenizer = models.tiny_tokenizer()
-    C.build(name, attn=None, vocab_size=len(tokenizer)).save_pretrained(folder)
-    tokenizer.save_pretrained(folder)
-    ctx = C.SEQ
-    receipt = finetune(TrainSettings(model=str(folder), ctx=ctx, batch=1, steps=1, lora=False, recompute="on"),
-                       progress=False)
-    model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).train()
-    windows = data.load_windows(data.default_data_path(), tokenizer, ctx, 1, pack=False)
-    ids, labels = data.batches(windows, 1, seed=0, epoch=0)[0]
-    with torch.no_grad():
-        logits = model(input_ids=ids, use_cache=False).logits
-    own = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), ignore_index=-100)
-    assert abs(receipt.losses[0] - own.item()) <= C.TOL * own.item(), (receipt.losses[0], own.item())
+    ids, labels = C.batch()
+    model = models.build_from_config(C.tiny_config("mixtral")).train()
+    rt = rewrite(window_step(model, ids, labels))
+    clone = next(n for n in rt.graph.nodes if n.target is aten.topk.default and CLONE_OF in n.meta)
+    assert read_outputs(clone) == [1]  # its indices alone are read
+    with rt.graph.inserting_before(clone):
+        flipped = rt.graph.call_function(aten.neg.default, (clone.args[0],))
+    clone.args = (flipped, *clone.args[1:])
+    rt.gm.recompile()
+    d = verify(rt, StepInputs.of(model).args(ids, labels)).first_difference
+    assert d is not None and (d.node, d.op, d.output) == (clone.name, str(aten.topk.default), 1), d
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_trains_from_a_saved_folder(name, known):
+    """(vii) the user's path: the tiny model and tokenizer saved with `save_pretrained`, trained from the folder
+    by `finetune` with the CLI's hooks (the gate from the config read off the folder, then the weights): its
+    losses, step by step, are bitwise the same run's on the model held in memory."""
+    known(name, "folder")
+    r = C.check(name)
+    _no_errors(r, "folder")
+    if "folder" in r.refused:
+        _refusal_is_one_line(r.refused["folder"])
+        assert "ubatch" in r.refused  # refused from a folder only as the model is refused in memory
+        return
+    assert r.folder_losses is not None and len(r.folder_losses) == C.FOLDER_STEPS
+    assert r.folder_losses == r.memory_losses, (r.folder_losses, r.memory_losses)
+
+
+@pytest.mark.parametrize("name", ["bamba", "gemma3_text"])
+def test_the_cli_trains_a_saved_folder(name, tmp_path):
+    """`remat finetune --model <folder>` itself (a process of its own, as a user runs it) on a saved tiny model:
+    Bamba's config holds `time_step_limit: [0.0, inf]` (written as `{"__float__": "Infinity"}`), Gemma 3 sliding
+    windows and softcapping; the losses are bitwise the in-memory run's."""
+    import json
+    import subprocess
+    import sys
+
+    model, tokenizer = C.save(name, tmp_path)
+    s = C.folder_settings(tmp_path)
+    cmd = [sys.executable, "-m", "remat", "finetune", "--model", str(tmp_path), "--ctx", str(s.ctx), "--batch",
+           str(s.batch), "--steps", str(s.steps), "--full", "--recompute", s.recompute, "--json"]
+    run = subprocess.run(cmd, capture_output=True, text=True, timeout=300, check=False)
+    assert run.returncode == 0, run.stderr[-2000:]
+    receipt = json.loads(run.stdout)
+    assert receipt["policy"] == s.recompute
+    assert receipt["losses"] == C.in_memory_losses(model, tokenizer, s)

@@ -139,6 +139,28 @@ def test_safetensors_folder_round_trip(tmp_path):
     assert load_config(str(folder / "config.json")).hidden_size == 64
 
 
+def test_a_saved_config_is_read_as_transformers_reads_it(tmp_path):
+    """`save_pretrained` writes what JSON cannot hold as transformers' own tags (Mamba-2's `time_step_limit`
+    (0.0, inf) as `[0.0, {"__float__": "Infinity"}]`); the folder's config is read by transformers' reader."""
+    config = transformers.Mamba2Config(hidden_size=64, num_hidden_layers=2, num_heads=8, head_dim=16, vocab_size=259)
+    config.save_pretrained(tmp_path)
+    assert '"__float__"' in (tmp_path / "config.json").read_text()
+    for spec in (tmp_path, tmp_path / "config.json"):
+        read = load_config(str(spec))
+        assert list(read.time_step_limit) == [0.0, float("inf")]
+        mine = {k: v for k, v in config.to_dict().items() if k != "_name_or_path"}
+        assert {k: v for k, v in read.to_dict().items() if k != "_name_or_path"} == mine
+
+
+@pytest.mark.parametrize(("config", "why"), [({"model_type": "nope"}, "knows no model_type 'nope'"),
+                                             ({"model_type": "llama", "hidden_size": "x"}, "hidden_size")])
+def test_a_bad_config_is_refused_in_one_line(tmp_path, config, why):
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ModelError, match=why) as refused:
+        load_config(str(tmp_path))
+    assert "\n" not in str(refused.value)
+
+
 @pytest.mark.parametrize("name", ["tiny-llama", "tiny-qwen35"])
 def test_tiny_presets_are_deterministic_per_seed(name):
     a, b, c = load_model(name, seed=1), load_model(name, seed=1), load_model(name, seed=2)

@@ -66,7 +66,8 @@ def test_recorded_step_is_make_fx_trace(name):
 
 
 @pytest.mark.parametrize("exact", [True, False], ids=["exact", "truncated"])
-@pytest.mark.parametrize("name", ["llama", "qwen3_5_text", "gemma2"])  # plain; recurrent state; sliding window
+# plain; recurrent state; sliding window; Mamba's scan from the carried state; an indexer's cache; GPT-Neo's masks
+@pytest.mark.parametrize("name", ["llama", "qwen3_5_text", "gemma2", "mamba", "deepseek_v32", "gpt_neo"])
 def test_recorded_walk_chunk_is_make_fx_trace(name, exact):
     """The walk's chunk step: state inputs, gradient sums filled by hooks, seeded cotangents (exact)."""
     model = _planning_model(name, LAYERS)

@@ -303,7 +303,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
 
     from remat.core import policies
     from remat.core.graph import StepInputs
-    from remat.core.recompute import explain, verify
+    from remat.core.recompute import COMPARED, explain, verify
     from remat.models import load as models
     from remat.training.step import Planner, StepShape
 
@@ -315,12 +315,13 @@ def cmd_verify(args: argparse.Namespace) -> int:
     ids, labels = torch.randint(0, loaded.model.config.vocab_size, (2, s.batch, s.ctx), generator=g)
     result = verify(planner.build(shape, True), StepInputs.of(loaded.model).args(ids, labels))
     d = result.first_difference
-    out = {"clones": result.clones, "equal": result.equal, "first_difference": d and vars(d)}
+    out = {"clones": result.clones, "equal": result.equal, "first_difference": d and vars(d), "compared": COMPARED}
     if d is None:
-        human = f"all {result.clones} clones equal"
+        human = f"all {result.clones} clones equal ({COMPARED})"
     else:
-        human = (f"{result.clones} clones compared; first difference: {d.node} ({d.op}) in {d.mark}, "
-                 f"shape {d.shape}, max abs diff {d.max_abs_diff:g}")
+        where = f" output {d.output}" if d.output is not None else ""
+        human = (f"{result.clones} clones compared ({COMPARED}); first difference: {d.node} ({d.op}){where} in "
+                 f"{d.mark}, shape {d.shape}, max abs diff {d.max_abs_diff:g}")
     if args.explain:  # per policy: what each keeps across the backward, and why
         base = planner.build(shape, "off")
         explained = {name: explain(base, p) for name in ("on", "dots", "every:2") if (p := policies.parse(name))}

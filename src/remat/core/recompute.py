@@ -22,6 +22,7 @@ Rules (docs/architecture.md, "The rewrite"), all in this file:
 from __future__ import annotations
 
 import functools
+import operator
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -33,7 +34,7 @@ from torch.fx._lazy_graph_module import _LazyGraphModule
 
 from remat.core import alias
 from remat.core.capture import copied_value
-from remat.core.graph import TrainGraph, copy_node, interpret, tensors_in
+from remat.core.graph import TrainGraph, copy_node, interpret
 from remat.core.marks import mark_name
 from remat.core.plan import Plan, Storages, plan, sized_storages
 from remat.core.policies import Policy, always_recomputed, layer_index, layer_marks
@@ -260,6 +261,12 @@ class Difference:
     mark: str | None  # the layer: the first mark at or after the original in forward order
     shape: list[int]
     max_abs_diff: float
+    output: int | None = None  # which of a tuple result's outputs (topk's values 0, indices 1); None: the value
+
+
+# What `verify` compares, as the CLI says it.
+COMPARED = ("each clone where the backward reads it (a tuple result's outputs its readers take), with its original "
+            "as made")
 
 
 @dataclass
@@ -272,25 +279,63 @@ class VerifyResult:
         return self.first_difference is None
 
 
+def read_outputs(node: fx.Node) -> list[int] | None:
+    """The outputs of a tuple result that the node's readers take (`getitem`), in order; None for one value.
+
+    A router's `topk` is recomputed for its indices alone when the forward divides its values in place
+    (Mixtral's `routing_weights /= sum`): its values are not what the backward reads."""
+    if not node.users or any(u.target is not operator.getitem for u in node.users):
+        return None
+    return sorted({int(u.args[1]) for u in node.users})  # type: ignore[arg-type]  # a getitem's index: an int
+
+
+def _written_later(graph: fx.Graph, nodes: set[fx.Node]) -> set[fx.Node]:
+    """Those of `nodes` whose memory (theirs, or a tuple output's) an in-place op writes after them."""
+    pos = {n: i for i, n in enumerate(graph.nodes)}
+    root = alias.roots(graph)
+    writes = alias.writes_by_root(graph, root)
+    out = set()
+    for n in nodes:
+        parts = [n, *(u for u in n.users if u.target is operator.getitem)]
+        if any(w > pos[n] for p in parts for w in writes.get(root[p], ())):
+            out.add(n)
+    return out
+
+
 def verify(tg: TrainGraph, args: list[torch.Tensor]) -> VerifyResult:
-    """Run a rewritten graph, comparing each clone with its original (kept alive for it)."""
+    """Run a rewritten graph, comparing each clone with its original (kept alive for it), bitwise.
+
+    What is compared is what the backward reads: of a tuple result, the outputs the clone's readers take;
+    and the original as it was made (a copy is kept of one that a later in-place op writes)."""
     nodes = {n.name: n for n in tg.graph.nodes}
     pairs = {n: nodes[n.meta[CLONE_OF]] for n in tg.graph.nodes if CLONE_OF in n.meta}
     next_mark, upcoming = {}, None
     for n in reversed(tg.forward_nodes()):
         upcoming = mark_name(n) or upcoming
         next_mark[n] = upcoming
+    changed = _written_later(tg.graph, set(pairs.values()))
+    as_made: dict[fx.Node, object] = {}
     first: list[Difference] = []
 
     def check(node: fx.Node, value: object, env: dict) -> None:
+        if node in changed:
+            as_made[node] = [t.clone() if isinstance(t, torch.Tensor) else t for t in _outputs(value)]
         if node not in pairs or first:
             return
-        original = env[pairs[node]]
-        for a, b in zip(tensors_in(value), tensors_in(original)):
-            if not torch.equal(a, b):
+        original = pairs[node]
+        made = _outputs(as_made.get(original, env[original]))
+        for i in read_outputs(node) or range(len(made)):
+            a, b = _outputs(value)[i], made[i]
+            if isinstance(a, torch.Tensor) and not torch.equal(a, b):
                 diff = (a.double() - b.double()).abs().max().item() if a.shape == b.shape else float("inf")
-                first.append(Difference(node.name, _op(node), next_mark[pairs[node]], list(a.shape), diff))
+                first.append(Difference(node.name, _op(node), next_mark[original], list(a.shape), diff,
+                                        i if isinstance(value, (tuple, list)) else None))
                 return
 
     interpret(tg.gm, args, on_node=check, keep=set(pairs.values()))
     return VerifyResult(len(pairs), first[0] if first else None)
+
+
+def _outputs(value: object) -> list:
+    """A node's value as a list of outputs: a tuple result's, or the one value."""
+    return list(value) if isinstance(value, (tuple, list)) else [value]

@@ -4,16 +4,43 @@ that attention and recurrent layers call over the walk's persistent buffers (bes
 from __future__ import annotations
 
 import contextlib
-from typing import Any
+import sys
+from collections.abc import Iterator
+from typing import Any, TypeVar
 
 import torch
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils._pytree import tree_leaves
+from transformers import Cache
 
 from remat.base.settings import one_line
+from remat.models import masks, scan
 from remat.models.hf import UnsupportedModel, causal_lm, decoder_layers, decoder_of, prepare
 from remat.models.stored import compute_dtype
+
+
+@contextlib.contextmanager
+def walking(model: nn.Module) -> Iterator[None]:
+    """What the walk changes while it runs a model (its probes, a chunk's trace, the forward sweep): Mamba's scans
+    start from the carried state (`scan`), causal masks cut by the cache's length are cut by positions (`masks`)."""
+    lm = causal_lm(model)
+    with scan.carried(lm), masks.by_positions(lm):
+        yield
+
+
+K = TypeVar("K")  # a cache class
+
+
+# The caches that hold a row per token of the window, and the dimension of their rows: attention's keys and values
+# (batch, heads, tokens, dim), a sparse-attention indexer's keys (batch, tokens, dim). The other states are carried.
+ROWS = {"k": 2, "v": 2, "index": 1}
+
+
+def _over_window(name: str, shape: tuple[int, ...], ctx: int) -> tuple[int, ...]:
+    """A state's shape for the whole window: a cache's rows for every token of it, a carried state as probed."""
+    dim = ROWS.get(name.split(".")[0])
+    return tuple(shape) if dim is None else (*shape[:dim], ctx, *shape[dim + 1:])
 
 
 def _name(kind: str, layer_idx: int, state_idx: int = 0) -> str:
@@ -26,6 +53,7 @@ class _ProbeCache:
     """The walk's cache interface on an empty cache, recording the shape of every state a layer writes."""
 
     is_compileable = False
+    is_initialized = True  # the walk's buffers are made before the window (HRM asks, for its prefix masks)
 
     def __init__(self):
         self.shapes: dict[str, tuple[int, ...]] = {}
@@ -33,6 +61,10 @@ class _ProbeCache:
     def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
         self.shapes[f"k.{layer_idx}"], self.shapes[f"v.{layer_idx}"] = key_states.shape, value_states.shape
         return key_states, value_states
+
+    def update_indexer(self, key_states, layer_idx: int):
+        self.shapes[f"index.{layer_idx}"] = key_states.shape
+        return key_states
 
     def get_query_offset(self, layer_idx: int = 0) -> int:
         return 0
@@ -62,6 +94,13 @@ class _ProbeCache:
     def update_recurrent_state(self, recurrent, layer_idx: int, state_idx: int = 0, **kwargs):
         self.shapes[_name("recurrent", layer_idx, state_idx)] = recurrent.shape
         return recurrent
+
+    # MiniMax's lightning attention keeps its recurrent state (K^T V) as a "linear cache"
+    def get_linear_cache(self, layer_idx: int):
+        return self.get_recurrent_state(layer_idx)
+
+    def set_linear_cache(self, layer_idx: int, linear_cache):
+        self.update_recurrent_state(linear_cache, layer_idx)
 
 
 class _CarriedStateProbe(_ProbeCache):
@@ -94,14 +133,14 @@ class _StateReads(torch.overrides.TorchFunctionMode):
         return func(*args, **kwargs)
 
 
-def _scans_from_zero(lm: Any, batch: int, shapes: dict[str, tuple[int, ...]]) -> list[int]:
+def _scans_from_zero(lm: Any, batch: int, shapes: dict[str, tuple[int, ...]], family: type | None) -> list[int]:
     """The layers whose sequence scan ignores the recurrent state carried in (Mamba's selective scan takes no
     initial state): the walk would start each chunk of theirs from zero."""
     fake = next((p for p in lm.parameters() if isinstance(p, FakeTensor)), None)
     with fake.fake_mode if fake is not None else contextlib.nullcontext():
         probe = _CarriedStateProbe(shapes, compute_dtype(lm))
     with _StateReads(probe):
-        _run_probe(lm, batch, probe)
+        _run_probe(lm, batch, probe, family)
     return sorted({int(k.split(".")[1]) for k in probe.carried.keys() - probe.read})
 
 
@@ -113,35 +152,59 @@ class _PaddedProbeCache(_ProbeCache):
         super().__init__()
         self.pad = pad
 
-    def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
-        def padded(t: torch.Tensor) -> torch.Tensor:
-            return torch.cat([t, t.new_zeros(*t.shape[:2], self.pad, *t.shape[3:])], dim=2)
+    def _padded(self, t: torch.Tensor, dim: int) -> torch.Tensor:
+        return torch.cat([t, t.new_zeros(*t.shape[:dim], self.pad, *t.shape[dim + 1:])], dim=dim)
 
-        return padded(key_states), padded(value_states)
+    def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
+        return self._padded(key_states, ROWS["k"]), self._padded(value_states, ROWS["v"])
+
+    def update_indexer(self, key_states, layer_idx: int):
+        return self._padded(key_states, ROWS["index"])
 
     def get_mask_sizes(self, query_length: int, layer_idx: int = 0) -> tuple[int, int]:
         return query_length + self.pad, 0
 
 
-def _run_probe(lm: Any, batch: int, cache: _ProbeCache) -> Any:
-    """The decoder on two tokens over a probe cache (in the fake mode of a model built without weights)."""
+def own_cache(lm: Any) -> type | None:
+    """The cache class the model's family defines (MiniMax's `MiniMaxCache`), if it defines one."""
+    module = sys.modules[type(decoder_of(lm)).__module__]
+    own = [c for c in vars(module).values()
+           if isinstance(c, type) and issubclass(c, Cache) and c.__module__ == module.__name__]
+    return own[0] if len(own) == 1 else None
+
+
+_MIXED: dict[tuple[type, type], type] = {}
+
+
+def of_family(kind: type[K], family: type | None) -> type[K]:
+    """`kind` (a walk or probe cache), also an instance of the family's own cache class where the decoder takes
+    no other (MiniMax checks `isinstance(cache, MiniMaxCache)`): `kind`'s methods first, the family's never run."""
+    if family is None:
+        return kind
+    return _MIXED.setdefault((kind, family), type(kind.__name__, (kind, family), {}))
+
+
+def _run_probe(lm: Any, batch: int, cache: _ProbeCache, family: type | None = None) -> Any:
+    """The decoder on two tokens over a probe cache (in the fake mode of a model built without weights), the
+    cache made an instance of the family's own cache class where the decoder takes no other."""
+    cache.__class__ = of_family(type(cache), family)
     params = [p for p in lm.parameters()]
     mode = next((p.fake_mode for p in params if isinstance(p, FakeTensor)), None)
     device = params[0].device
     ids = torch.zeros(batch, 2, dtype=torch.long, device=device)
     positions = torch.arange(2, device=device)[None].expand(batch, -1)
-    with torch.no_grad(), mode if mode is not None else contextlib.nullcontext():
+    with torch.no_grad(), mode if mode is not None else contextlib.nullcontext(), walking(lm):
         return decoder_of(lm)(input_ids=ids, position_ids=positions, cache=cache, use_cache=True)
 
 
-def _probe(lm: Any, batch: int) -> dict[str, tuple[int, ...]]:
+def _probe(lm: Any, batch: int, family: type | None) -> dict[str, tuple[int, ...]]:
     """Run the decoder on two tokens over a probe cache: the shape of every state its layers keep."""
     cache = _ProbeCache()
-    _run_probe(lm, batch, cache)
+    _run_probe(lm, batch, cache, family)
     return cache.shapes
 
 
-def _reads_cache_length(lm: Any, batch: int, ctx: int) -> bool:
+def _reads_cache_length(lm: Any, batch: int, ctx: int, family: type | None) -> bool:
     """Whether the decoder's output changes when its cache holds rows past the chunk's, as the walk's does.
 
     Attention that follows the mask ignores those rows; attention that cuts its own causal or local
@@ -153,7 +216,7 @@ def _reads_cache_length(lm: Any, batch: int, ctx: int) -> bool:
     training = {m: m.training for m in lm.modules()}
     lm.eval()  # dropout and sampled routing off: the two runs must draw nothing
     try:
-        plain, padded = (_run_probe(lm, batch, c)[0] for c in (_ProbeCache(), _PaddedProbeCache(ctx - 2)))
+        plain, padded = (_run_probe(lm, batch, c, family)[0] for c in (_ProbeCache(), _PaddedProbeCache(ctx - 2)))
     finally:
         for m, mode in training.items():
             m.training = mode
@@ -170,6 +233,11 @@ class Probes:
         self.shapes: dict[int, dict[str, tuple[int, ...]]] = {}
         self.reads_length: dict[int, bool] = {}
         self.from_zero: dict[int, list[int]] = {}
+        self.family: type | None = None  # the family's own cache class, where its decoder takes no other
+
+    def cache(self, kind: type[K]) -> type[K]:
+        """The walk's cache class for this model: `kind`, an instance of the family's own cache where it must be."""
+        return of_family(kind, self.family)
 
     def state_shapes(self, batch: int, ctx: int) -> dict[str, tuple[int, ...]]:
         """Name -> shape of every cache and state tensor the walk keeps for a window of `ctx` tokens.
@@ -186,25 +254,31 @@ class Probes:
                                    "it is a function of the whole window's routing")
         shapes = self._shapes(batch)
         if ctx not in self.reads_length:
-            self.reads_length[ctx] = any(k.startswith("k.") for k in shapes) and _reads_cache_length(lm, 1, ctx)
+            self.reads_length[ctx] = (any(k.startswith("k.") for k in shapes)
+                                      and _reads_cache_length(lm, 1, ctx, self.family))
         if self.reads_length[ctx]:
             raise UnsupportedModel(f"the walk path does not support {lm.config.model_type}: its attention masks by "
                                    "the cache's length, not by positions (the walk's cache holds the whole window)")
         if any(k.startswith("recurrent.") for k in shapes):
             if batch not in self.from_zero:
-                self.from_zero[batch] = _scans_from_zero(lm, batch, shapes)
+                self.from_zero[batch] = _scans_from_zero(lm, batch, shapes, self.family)
             if self.from_zero[batch]:
                 layer = decoder_layers(lm)[self.from_zero[batch][0]]
                 raise UnsupportedModel(f"the walk path does not support {type(layer).__name__} layers: their "
                                        "sequence scan does not start from the state carried in from the previous chunk")
         if not shapes:
             raise UnsupportedModel(f"the walk path does not support {lm.config.model_type}: its layers keep no cache")
-        return {k: (*v[:2], ctx, *v[3:]) if k[:2] in ("k.", "v.") else tuple(v) for k, v in shapes.items()}
+        return {k: _over_window(k, v, ctx) for k, v in shapes.items()}
 
     def _shapes(self, batch: int) -> dict[str, tuple[int, ...]]:
         if batch not in self.shapes:
             try:
-                self.shapes[batch] = _probe(self.lm, batch)
+                try:
+                    self.shapes[batch] = _probe(self.lm, batch, self.family)
+                except ValueError:  # a decoder that takes its family's own cache alone (MiniMax)
+                    if self.family is not None or (family := own_cache(self.lm)) is None:
+                        raise
+                    self.shapes[batch], self.family = _probe(self.lm, batch, family), family
             except (AttributeError, TypeError, NotImplementedError, ValueError, RuntimeError) as e:
                 raise UnsupportedModel(f"the walk path does not support {self.lm.config.model_type}: its layers "
                                        f"call the cache in a way the walk does not know ({type(e).__name__}: "
@@ -216,6 +290,7 @@ class WalkCache:
     """The cache interface transformers' attention and recurrent layers call, over placeholder tensors."""
 
     is_compileable = False
+    is_initialized = True
 
     def __init__(self, state: dict[str, torch.Tensor], offset: torch.Tensor, chunk: int):
         self.state, self.offset = state, offset
@@ -228,6 +303,11 @@ class WalkCache:
         keys.index_copy_(2, self.positions, key_states)
         values.index_copy_(2, self.positions, value_states)
         return keys, values
+
+    def update_indexer(self, key_states: torch.Tensor, layer_idx: int) -> torch.Tensor:
+        keys = self.state[f"index.{layer_idx}"]
+        keys.index_copy_(1, self.positions, key_states)
+        return keys
 
     def get_query_offset(self, layer_idx: int = 0) -> torch.Tensor:
         return self.offset
@@ -267,6 +347,12 @@ class WalkCache:
         state.copy_(recurrent.detach())
         return state
 
+    def get_linear_cache(self, layer_idx: int) -> torch.Tensor:
+        return self.get_recurrent_state(layer_idx)
+
+    def set_linear_cache(self, layer_idx: int, linear_cache: torch.Tensor) -> None:
+        self.update_recurrent_state(linear_cache, layer_idx)
+
 
 class ExactWalkCache(WalkCache):
     """The exact walk's cache for one chunk's step in the reverse sweep (`remat.training.walk`).
@@ -286,6 +372,10 @@ class ExactWalkCache(WalkCache):
         self.made[k], self.made[v] = key_states, value_states
         return (self.state[k].index_copy(2, self.positions, key_states),
                 self.state[v].index_copy(2, self.positions, value_states))
+
+    def update_indexer(self, key_states: torch.Tensor, layer_idx: int) -> torch.Tensor:
+        # the indexer scores keys without grad: no gradient leaves through its rows
+        return self.state[f"index.{layer_idx}"].index_copy(1, self.positions, key_states)
 
     def get_recurrent_state(self, layer_idx: int, state_idx: int = 0) -> torch.Tensor:
         return self.state[_name("recurrent", layer_idx, state_idx)]  # nothing overwrites it in this step

@@ -20,8 +20,10 @@ from typing import Any
 
 import torch
 import transformers
+from huggingface_hub.errors import StrictDataclassError
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers.initialization import no_init_weights
+from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
 from remat.base.files import staged, staged_file
 from remat.base.settings import Note, UsageError, one_line
@@ -215,7 +217,15 @@ def _read_json_config(path: pathlib.Path) -> transformers.PretrainedConfig:
         raise ModelError(f"cannot read config '{path}': {one_line(e)}") from None
     if not isinstance(d, dict) or "model_type" not in d:
         raise ModelError(f"'{path}' is not a model config.json (no model_type)")
-    return _config_from_dict(d)
+    # transformers' own reader (`from_json_file`, as `from_pretrained` reads it): it decodes what its writer
+    # encodes (`save_pretrained` writes Mamba-2-style `time_step_limit: [0.0, inf]` as
+    # `[0.0, {"__float__": "Infinity"}]`), which the config classes do not take as such
+    if d["model_type"] not in CONFIG_MAPPING:
+        raise ModelError(f"'{path}': transformers {transformers.__version__} knows no model_type '{d['model_type']}'")
+    try:
+        return CONFIG_MAPPING[d["model_type"]].from_json_file(path)
+    except (ValueError, TypeError, KeyError, StrictDataclassError) as e:  # the config class's own field checks
+        raise ModelError(f"bad config for model_type '{d['model_type']}': {one_line(e)}") from None
 
 
 def load_config(spec: str | None, *, num_layers: int | None = None) -> transformers.PretrainedConfig:

@@ -28,12 +28,11 @@ import torch
 from torch import nn
 from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicOutputShapeException
 
-from remat.core import alias
 from remat.core.capture import Recorder, Seeded, into, trace
 from remat.core.graph import TrainGraph
 from remat.models import delta_rule
 from remat.models.hf import UnsupportedModel, causal_lm, causal_lm_loss, model_loss, prepare
-from remat.models.hf_cache import ExactWalkCache, Probes, WalkCache
+from remat.models.hf_cache import ExactWalkCache, Probes, WalkCache, walking
 from remat.models.stored import compute_dtype
 
 
@@ -74,7 +73,8 @@ def reads_values(model: nn.Module, e: BaseException) -> str:
             "step cannot follow")
 
 
-KV = ("k.", "v.")  # cache names of attention layers' keys and values; the others are carried states
+KV = ("k.", "v.", "index.")  # the window's caches (`hf_cache.ROWS`): attention's keys and values, an indexer's keys
+CONSTANT = ("index.",)  # caches no gradient reaches (a sparse-attention indexer scores its keys without grad)
 
 
 def new_state(model: nn.Module, batch: int, ctx: int, probes: Probes | None = None) -> dict[str, torch.Tensor]:
@@ -89,6 +89,11 @@ def carried(names: list[str]) -> list[str]:
     return [k for k in names if not k.startswith(KV)]
 
 
+def differentiated(names: list[str]) -> list[str]:
+    """The states the exact walk sends a gradient through (with a gradient buffer each): all but `CONSTANT`."""
+    return [k for k in names if not k.startswith(CONSTANT)]
+
+
 def _loss(model: nn.Module, cache: WalkCache, n_targets: torch.Tensor, input_ids: torch.Tensor,
           labels: torch.Tensor, loss_chunk: int) -> torch.Tensor:
     positions = cache.positions[None].expand(input_ids.shape[0], -1)
@@ -96,33 +101,37 @@ def _loss(model: nn.Module, cache: WalkCache, n_targets: torch.Tensor, input_ids
                       use_cache=True)
 
 
-def chunk_loss(model: nn.Module, *inputs: torch.Tensor, names: list[str], loss_chunk: int) -> torch.Tensor:
+def chunk_loss(model: nn.Module, *inputs: torch.Tensor, names: list[str], loss_chunk: int,
+               cache_class: type[WalkCache] = WalkCache) -> torch.Tensor:
     """The truncated walk's chunk: its targets' cross-entropy summed, over the window's target count."""
     *states, offset, n_targets, input_ids, labels = inputs
-    cache = WalkCache(dict(zip(names, states)), offset, input_ids.shape[1])
+    cache = cache_class(dict(zip(names, states)), offset, input_ids.shape[1])
     return _loss(model, cache, n_targets, input_ids, labels, loss_chunk)
 
 
-def exact_chunk_loss(model: nn.Module, *inputs: torch.Tensor, names: list[str], loss_chunk: int) -> Seeded:
+def exact_chunk_loss(model: nn.Module, *inputs: torch.Tensor, names: list[str], loss_chunk: int,
+                     cache_class: type[ExactWalkCache] = ExactWalkCache) -> Seeded:
     """The exact walk's chunk: its loss, seeded with the gradient later chunks sent to what it made.
 
-    Inputs: the cache and this chunk's start states (`names`), their gradient buffers (`grad.*`: the
+    Inputs: the cache and this chunk's start states (`names`), their gradient buffers (`grad.*`, `differentiated`: the
     cache's, accumulated; at the carried states, the gradient arriving at this chunk's end state), the
     buffers this chunk's start-state gradient goes to (`grad_start.*`), then offset, targets and batch.
     """
-    n, m = len(names), len(carried(names))
-    state, grad = dict(zip(names, inputs[:n])), dict(zip(names, inputs[n:2 * n]))
-    grad_start = dict(zip(carried(names), inputs[2 * n:2 * n + m]))
-    offset, n_targets, input_ids, labels = inputs[2 * n + m:]
+    n, d, m = len(names), len(differentiated(names)), len(carried(names))
+    state, grad = dict(zip(names, inputs[:n])), dict(zip(differentiated(names), inputs[n:n + d]))
+    grad_start = dict(zip(carried(names), inputs[n + d:n + d + m]))
+    offset, n_targets, input_ids, labels = inputs[n + d + m:]
     # the gradient leaving the step: the cache's added into its buffer (rows of earlier chunks), the start
     # state's copied for the chunk before, each the moment the backward makes it
-    for k in names:
+    for k in grad:
         state[k].register_hook(into(grad[k]) if k.startswith(KV) else into(grad_start[k], add=False))
-    cache = ExactWalkCache(state, offset, input_ids.shape[1])
+    cache = cache_class(state, offset, input_ids.shape[1])
     loss = _loss(model, cache, n_targets, input_ids, labels, loss_chunk)
     # later chunks' gradient: at this chunk's own K/V rows of the cache's buffer, and at its end state
-    arriving = [grad[k].index_select(2, cache.positions) if k.startswith(KV) else grad[k] for k in cache.made]
-    return Seeded(loss, tuple(cache.made.values()), tuple(arriving), tuple(state.values()))
+    # (what a layer makes without grad, HRM's no-grad cycles, passes none on: later chunks read it as a constant)
+    made = {k: t for k, t in cache.made.items() if t.requires_grad}
+    arriving = [grad[k].index_select(2, cache.positions) if k.startswith(KV) else grad[k] for k in made]
+    return Seeded(loss, tuple(made.values()), tuple(arriving), tuple(state[k] for k in grad))
 
 
 def chunk_step(model: nn.Module, batch: int, ctx: int, ubatch: int, *, loss_chunk: int = 0, exact: bool = False,
@@ -132,13 +141,16 @@ def chunk_step(model: nn.Module, batch: int, ctx: int, ubatch: int, *, loss_chun
     `accumulate`: the chunk adds its grads into them and returns them)."""
     if ctx % ubatch:
         raise ValueError(f"--ctx {ctx} is not a multiple of --ubatch {ubatch}")
-    shapes = (probes or Probes(model)).state_shapes(batch, ctx)
+    probes = probes or Probes(model)
+    shapes = probes.state_shapes(batch, ctx)
     dtype = compute_dtype(model)
     names = list(shapes)
     # exact: the cache and start states are differentiated (their gradient leaves the step into the buffers)
-    inputs = {name: ("state", torch.zeros(shape, dtype=dtype, requires_grad=exact)) for name, shape in shapes.items()}
+    graded = differentiated(names) if exact else []
+    inputs = {name: ("state", torch.zeros(shape, dtype=dtype, requires_grad=name in graded))
+              for name, shape in shapes.items()}
     if exact:
-        inputs |= {f"grad.{k}": ("state", torch.zeros(shapes[k], dtype=dtype)) for k in names}
+        inputs |= {f"grad.{k}": ("state", torch.zeros(shapes[k], dtype=dtype)) for k in graded}
         inputs |= {f"grad_start.{k}": ("state", torch.zeros(shapes[k], dtype=dtype)) for k in carried(names)}
     inputs |= {
         "offset": ("input", torch.zeros((), dtype=torch.long)),
@@ -146,20 +158,18 @@ def chunk_step(model: nn.Module, batch: int, ctx: int, ubatch: int, *, loss_chun
         "input_ids": ("input", torch.zeros(batch, ubatch, dtype=torch.long)),
         "labels": ("input", torch.zeros(batch, ubatch, dtype=torch.long)),
     }
-    loss = functools.partial(exact_chunk_loss if exact else chunk_loss, names=names, loss_chunk=loss_chunk)
+    loss = (functools.partial(exact_chunk_loss, cache_class=probes.cache(ExactWalkCache)) if exact
+            else functools.partial(chunk_loss, cache_class=probes.cache(WalkCache)))
+    loss = functools.partial(loss, names=names, loss_chunk=loss_chunk)
     # the exact walk keeps every chunk's start state from the forward sweep (the graph sees one of them)
     starts = ctx // ubatch * sum(inputs[k][1].nbytes for k in carried(names)) if exact else 0
     info = {"shape": (batch, ubatch), "ctx": ctx, "path": "walk", "walk": "exact" if exact else "truncated",
             "loss_chunk": loss_chunk, "saved_states": starts}
     try:
-        tg = _traced(model, loss, inputs, recorder, info=info, accumulate=True)  # one set: the window's sums
+        with walking(model):  # Mamba's scans from the carried state, GPT-Neo's masks by positions
+            return _traced(model, loss, inputs, recorder, info=info, accumulate=True)  # one set: the window's sums
     except (DataDependentOutputException, DynamicOutputShapeException) as e:
         # with a cache: learned positions read from the cache's length (MPT, XGLM), or routing read as values
         raise UnsupportedModel(f"the walk path does not support {reads_values(model, e)}") from None
-    if exact and (random := next((n for n in tg.graph.nodes if alias.is_random(n)), None)):
-        raise UnsupportedModel(f"the walk path does not support random ops in the exact walk ({random.target}: "
-                               "dropout, sampled routing): its forward sweep and each chunk's recompute would draw "
-                               "different values; set dropout to 0 or use --walk truncated")
-    return tg
 
 

@@ -10,14 +10,35 @@ run: in order (truncated), or after a forward sweep, in reverse order (exact; do
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 
 import torch
 from torch import nn
 
 from remat.core.graph import StepInputs
 from remat.models.hf import decoder_of
-from remat.models.hf_cache import Probes, WalkCache
-from remat.models.steps import KV, carried, new_state
+from remat.models.hf_cache import Probes, WalkCache, walking
+from remat.models.steps import KV, carried, differentiated, new_state
+
+
+@dataclass
+class Draws:
+    """The state of the random generators a step draws from (the CPU's, and the model's device's): recorded as the
+    forward sweep starts a chunk, replayed before that chunk's step, which then draws the same numbers (dropout,
+    PhiMoE's sampled routing: the sweep and the recompute of the exact walk must compute the same function)."""
+
+    cpu: torch.Tensor
+    device: torch.Tensor | None
+    on: torch.device
+
+    @classmethod
+    def now(cls, on: torch.device) -> Draws:
+        return cls(torch.get_rng_state(), torch.cuda.get_rng_state(on) if on.type == "cuda" else None, on)
+
+    def replay(self) -> None:
+        torch.set_rng_state(self.cpu)
+        if self.device is not None:
+            torch.cuda.set_rng_state(self.device, self.on)
 
 
 class Walk:
@@ -26,9 +47,12 @@ class Walk:
     def __init__(self, model: nn.Module, batch: int, ctx: int, ubatch: int, exact: bool, probes: Probes | None = None):
         self.model, self.ctx, self.ubatch, self.exact = model, ctx, ubatch, exact
         self.params = list(StepInputs.of(model).trainable.values())
-        self.state = new_state(model, batch, ctx, probes)
+        self.probes = probes or Probes(model)
+        self.device = next(model.parameters()).device
+        self.draws: list[Draws] = []  # the random generators' state at each chunk's start in the forward sweep
+        self.state = new_state(model, batch, ctx, self.probes)
         self.carried = carried(list(self.state))
-        self.grad = {k: torch.zeros_like(t) for k, t in self.state.items()} if exact else {}
+        self.grad = {k: torch.zeros_like(self.state[k]) for k in differentiated(list(self.state))} if exact else {}
         self.grad_start = {k: torch.zeros_like(self.state[k]) for k in self.carried} if exact else {}
 
     def chunks(self, input_ids: torch.Tensor, labels: torch.Tensor,
@@ -52,26 +76,30 @@ class Walk:
                 yield [*self.state.values(), *batch(start)]
             return
         start_states = self.forward_sweep(input_ids, before_chunk)
+        swept = Draws.now(self.device)
         kv = {k: t for k, t in self.state.items() if k.startswith(KV)}
-        for start, begun in zip(reversed(starts), reversed(start_states)):
+        for start, begun, drawn in zip(reversed(starts), reversed(start_states), reversed(self.draws)):
             for t in self.grad_start.values():
                 t.zero_()  # a state the step does not read gets no gradient
             state = [kv[k] if k in kv else begun[k] for k in self.state]
+            drawn.replay()  # the step draws what the sweep drew for this chunk (dropout, sampled routing)
             yield [*state, *self.grad.values(), *self.grad_start.values(), *batch(start)]
             # the gradient at this chunk's start state is the one arriving at the chunk before's end state
             for k in self.carried:
                 self.grad[k], self.grad_start[k] = self.grad_start[k], self.grad[k]
+        swept.replay()  # what follows draws on from where the sweep left off
 
     def forward_sweep(self, input_ids: torch.Tensor, before_chunk: Callable[[], None]) -> list[dict[str, torch.Tensor]]:
         """Run the decoder over the chunks in order, without grad: write the window's K/V rows into the
         cache, and return each chunk's start state (conv, recurrent)."""
         decoder = decoder_of(self.model)
-        start_states = []
-        with torch.no_grad():
+        start_states, self.draws = [], []
+        with torch.no_grad(), walking(self.model):
             for start in range(0, self.ctx, self.ubatch):
                 before_chunk()
                 start_states.append({k: self.state[k].clone() for k in self.carried})
-                cache = WalkCache(self.state, torch.tensor(start), self.ubatch)
+                self.draws.append(Draws.now(self.device))
+                cache = self.probes.cache(WalkCache)(self.state, torch.tensor(start), self.ubatch)
                 ids = input_ids[:, start:start + self.ubatch]
                 decoder(input_ids=ids, position_ids=cache.positions[None].expand(ids.shape[0], -1), cache=cache,
                         use_cache=True)
