@@ -27,6 +27,7 @@ from transformers import AttentionInterface, masking_utils
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, causal_mask_function, eager_mask, sdpa_mask
 
+from remat.core import attention, devices
 from remat.core.marks import LAYER_MARK, mark
 
 ATTENTION = "remat"
@@ -82,6 +83,10 @@ def _attention(module, query, key, value, attention_mask, **kwargs):
             zero = torch.zeros((), dtype=query.dtype, device=query.device)
             attention_mask = zero.masked_fill(~attention_mask, torch.finfo(query.dtype).min)
         return eager(module, query, key, value, attention_mask, **kwargs)
+    device = devices.target(query.device)  # the device the step is traced for (its kernels), else the tensors'
+    if device.type != "cpu":  # remat chooses the kernel: the plan and the run hold the same op
+        with attention.routed(device):
+            return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
     return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
 
 

@@ -28,7 +28,7 @@ import torch
 from torch import nn
 from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicOutputShapeException
 
-from remat.core import alias
+from remat.core import alias, attention, devices
 from remat.core.capture import Recorder, Seeded, into, trace
 from remat.core.graph import TrainGraph
 from remat.models import delta_rule
@@ -54,8 +54,10 @@ def window_step(model: nn.Module, input_ids: torch.Tensor, labels: torch.Tensor,
 
 def _traced(model: nn.Module, loss_fn, inputs: dict, recorder: Recorder | None, **kwargs) -> TrainGraph:
     prepare(model)  # the marks and attention, before the tensors are listed
+    # the attention kernels' workspaces where remat chooses them (a device's step)
+    held = {**delta_rule.WORKSPACES, **attention.workspaces(devices.target(next(model.parameters()).device))}
     with delta_rule.swapped(model):
-        return trace(model, loss_fn, inputs, recorder=recorder, workspaces=delta_rule.WORKSPACES, **kwargs)
+        return trace(model, loss_fn, inputs, recorder=recorder, workspaces=held, **kwargs)
 
 
 def reads_values(model: nn.Module, e: BaseException) -> str:
