@@ -30,6 +30,9 @@ from remat.core import devices
 
 FLASH, EFFICIENT, MATH = "flash", "efficient", "math"
 HALF = (torch.float16, torch.bfloat16)
+# the ops of the kernels remat chooses on CUDA, and their backwards (whose workspace it plans)
+KERNEL_OPS = {FLASH: torch.ops.aten._scaled_dot_product_flash_attention.default,
+              EFFICIENT: torch.ops.aten._scaled_dot_product_efficient_attention.default}
 FLASH_BACKWARD = torch.ops.aten._scaled_dot_product_flash_attention_backward.default
 EFFICIENT_BACKWARD = torch.ops.aten._scaled_dot_product_efficient_attention_backward.default
 BIAS_ALIGNMENT = 16  # keys a memory-efficient kernel's additive mask is padded to (torch's `preprocess_mask`)
@@ -59,8 +62,7 @@ def sdpa(device: torch.device, query: torch.Tensor, key: torch.Tensor, value: to
     """`F.scaled_dot_product_attention` by the op of the kernel `kernel` chooses for `device`."""
     chosen = kernel(device, query, key, value, attn_mask, is_causal)
     if chosen == FLASH:
-        return torch.ops.aten._scaled_dot_product_flash_attention(query, key, value, dropout_p, is_causal, False,
-                                                                   scale=scale)[0]
+        return KERNEL_OPS[FLASH](query, key, value, dropout_p, is_causal, False, scale=scale)[0]
     if chosen == MATH:
         return torch.ops.aten._scaled_dot_product_attention_math(query, key, value, attn_mask, dropout_p, is_causal,
                                                                   scale=scale, enable_gqa=enable_gqa)[0]
@@ -68,8 +70,7 @@ def sdpa(device: torch.device, query: torch.Tensor, key: torch.Tensor, value: to
         key, value = _repeated(key, query.shape[1]), _repeated(value, query.shape[1])
     bias = None if attn_mask is None else _bias(attn_mask, query, key)
     grad = torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value))
-    return torch.ops.aten._scaled_dot_product_efficient_attention(query, key, value, bias, grad, dropout_p,
-                                                                   is_causal, scale=scale)[0]
+    return KERNEL_OPS[EFFICIENT](query, key, value, bias, grad, dropout_p, is_causal, scale=scale)[0]
 
 
 def _repeated(t: torch.Tensor, heads: int) -> torch.Tensor:

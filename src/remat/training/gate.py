@@ -55,7 +55,7 @@ class Budget:
         without either, the free memory now, shared by the `ranks_here` processes of a data-parallel run here. On
         a device, that is the device's memory (each rank has its own), with the host's free memory beside it."""
         if not devices.is_host(device):
-            return cls._of_device(asked, cap, ranks_here, torch.device(device))
+            return cls._of_device(asked, cap, ranks_here, devices.planned(str(device)))
         if cap is not None:
             return cap if asked is None or cap.bytes <= asked else cls(asked, "the job's memory_budget")
         if asked is not None:

@@ -270,7 +270,9 @@ class Planner:
             name, found[name] = refined
         if not over:
             return Choice(name, f"{name} plans {mib(found[name].total)}, within the budget {mib(budget)}", found)
-        figures = ", ".join(f"{k} plans {mib(found[k].total)}" for k in over)
+        figures = ", ".join(f"{k} plans {mib(found[k].total)}" + (
+            f" (host {mib(found[k].host)}, over the host's {mib(host)})" if host is not None and found[k].host > host
+            else "") for k in over)
         return Choice(name, f"{figures}: over the budget {mib(budget)}; {name} plans {mib(found[name].total)}",
                       found)
 
