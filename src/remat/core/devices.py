@@ -2,8 +2,9 @@
 changes about running and planning a step (its free memory, the optimizer's kernel, deterministic kernels).
 
 `auto` is CUDA where present, else MPS, else the CPU. A step is planned for a device without it: `remat plan
---device cuda` on a machine without a GPU traces on fake tensors of the CPU device with CUDA's kernels chosen
-(`traced_for`: remat's attention picks the SDPA kernel the device would run, `remat.core.attention`). Fake
+--device cuda` on a machine without a GPU traces on fake tensors of the CPU device with CUDA's kernels chosen (the
+planner traces for its device: `models.steps`, whose `hf.prepare` gives the model remat's attention for it, which
+picks the SDPA kernel the device would run, `remat.core.attention`). Fake
 tensors can be made on `cuda` in a CPU-only build, but autograd records a stream per device for every value it
 will differentiate (`InputMetadata`), asks the device's guard for it, and a build without CUDA has none: the
 process aborts (`torch._C._ensureCUDADeviceGuardSet` patches only a CUDA build without a device). A plan reads
@@ -15,10 +16,7 @@ MPS shares CUDA's path where torch does (SDPA's math kernel, fused AdamW) and is
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import os
-from collections.abc import Iterator
 
 import torch
 
@@ -30,8 +28,6 @@ PLANNED_SMS = 132
 # cuBLAS's workspace under CUBLAS_WORKSPACE_CONFIG=:4096:8 (deterministic cuBLAS): 8 buffers of 4 MiB, taken
 # from the caching allocator at the first matrix product on a stream; the step's plan does not hold it.
 CUBLAS_CONFIG, CUBLAS_WORKSPACE = ":4096:8", 8 * 4 << 20
-
-_TRACED_FOR: contextvars.ContextVar[torch.device | None] = contextvars.ContextVar("remat_traced_for", default=None)
 
 
 def _cuda_index(spec: str) -> int | None:
@@ -85,22 +81,6 @@ def name(device: torch.device) -> str:
 def is_host(device: torch.device | str) -> bool:
     """Whether the step's memory is the host's (the CPU): a device's plan splits device from host memory."""
     return torch.device(device).type == "cpu"
-
-
-@contextlib.contextmanager
-def traced_for(device: torch.device) -> Iterator[None]:
-    """While a step is traced for `device` (the planner's): kernels are chosen as that device would run them,
-    whatever device the fake tensors are on."""
-    token = _TRACED_FOR.set(device)
-    try:
-        yield
-    finally:
-        _TRACED_FOR.reset(token)
-
-
-def target(fallback: torch.device) -> torch.device:
-    """The device the step being traced is for; outside a planner's trace, `fallback` (the tensors' own)."""
-    return _TRACED_FOR.get() or fallback
 
 
 def sm_count(device: torch.device) -> int:

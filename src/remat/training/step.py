@@ -164,9 +164,9 @@ class Planner:
         shape = at.shape
         if shape.path == "walk":
             assert shape.ubatch is not None
-            with devices.traced_for(self.device):
-                return chunk_step(self.model, shape.batch, shape.ctx, shape.ubatch, loss_chunk=shape.loss_chunk,
-                                  exact=shape.walk != "truncated", probes=self.probes, recorder=record.record)
+            return chunk_step(self.model, shape.batch, shape.ctx, shape.ubatch, loss_chunk=shape.loss_chunk,
+                              exact=shape.walk != "truncated", probes=self.probes, recorder=record.record,
+                              device=self.device)
         stamper = self._stamper(at)
         return stamper.graph() if stamper is not None else self._traced(shape)
 
@@ -175,13 +175,13 @@ class Planner:
         ids = torch.zeros(shape.batch, shape.ctx, dtype=torch.long)
 
         def whole() -> TrainGraph:  # two tensors: two inputs
-            return window_step(self.model, ids, ids.clone(), loss_chunk=shape.loss_chunk, recorder=record.record)
+            return window_step(self.model, ids, ids.clone(), loss_chunk=shape.loss_chunk, recorder=record.record,
+                               device=self.device)
 
-        with devices.traced_for(self.device):
-            if self.planning:
-                with contextlib.suppress(stamp.NotStampable):
-                    return pieces.stamp(whole, shape.ctx, shape.loss_chunk)
-            return whole()
+        if self.planning:
+            with contextlib.suppress(stamp.NotStampable):
+                return pieces.stamp(whole, shape.ctx, shape.loss_chunk)
+        return whole()
 
     def _stamper(self, at: _Step) -> stamp.Stamper | None:
         """The step of a planning model stamped from a few of its layers' trace (`remat.fastplan.stamp`), made
