@@ -73,6 +73,17 @@ def new_case(name: str, *, num_layers: int | None = None, prepare=None) -> Case:
     return Case(lm, ids, labels, window_step(lm.model, ids, labels))
 
 
+def pytest_collection_modifyitems(config, items):
+    """Tests marked `cuda` run where a CUDA device is present, and are skipped with the reason elsewhere."""
+    if torch.cuda.is_available():
+        return
+    why = "torch built without CUDA" if torch.version.cuda is None else "no CUDA device visible"
+    skip = pytest.mark.skip(reason=f"needs a CUDA device: {why} ({torch.__version__})")
+    for item in items:
+        if item.get_closest_marker("cuda") is not None:
+            item.add_marker(skip)
+
+
 @pytest.fixture(scope="module")
 def one_thread():
     """Use with `pytestmark = pytest.mark.usefixtures("one_thread")`. Tiny graphs run fastest on one

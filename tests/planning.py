@@ -32,11 +32,11 @@ def live_at_peak(tg: TrainGraph, outputs: bool = False) -> tuple[int, fx.Node | 
     """The peak of graph-allocated bytes (with `outputs`, and the outputs made so far), the node where it is
     reached, and what is live then."""
     nodes, life, kept = plan_module._lifetimes(tg)
-    peak, at, live = _sweep(len(nodes), life, frozenset() if outputs else kept)
+    peak, at, live = sweep(len(nodes), life, frozenset() if outputs else kept)
     return peak, None if at is None else nodes[at], [(nodes[maker], size) for maker, size in live]
 
 
-def _sweep(count: int, life: Lives, skip: Set) -> tuple[int, int | None, list[tuple[int, int]]]:
+def sweep(count: int, life: Lives, skip: Set) -> tuple[int, int | None, list[tuple[int, int]]]:
     """The peak of live bytes over `count` positions, where it is, and what is live then (maker, bytes)."""
     made_at: dict[int, list[Hashable]] = {}
     frees_at: dict[int, list[Hashable]] = {}

@@ -99,10 +99,10 @@ def parser() -> argparse.ArgumentParser:
     f.add_argument("--json", **as_json)
 
     pl = sub.add_parser("plan", help="memory plan from the config alone; allocates nothing")
-    add_fields(pl, TrainSettings, f"{MODEL_OPTIONS} {LORA_OPTIONS} memory_budget weights", ctx=512)
+    add_fields(pl, TrainSettings, f"{MODEL_OPTIONS} {LORA_OPTIONS} memory_budget weights device", ctx=512)
     pl.add_argument("--recompute", default="both", metavar="POLICY",
-                    help="both (off and on, the default), a policy (off, on, dots, every:K), or budget / auto: "
-                    "the fastest plan within --memory-budget")
+                    help="both (off and on, the default), a policy (off, on, dots, offload, every:K), or budget / "
+                    "auto: the fastest plan within --memory-budget")
     pl.add_argument("--world-size", type=_positive, default=1, metavar="N",
                     help="processes of a data-parallel run (torchrun): one rank's figures, --batch being the "
                     "global batch (default 1)")
@@ -190,12 +190,19 @@ def table(plans: dict, ran: str | None = None) -> str:
     cats = ["params", "frozen", "grads", "optimizer", "graph", "step", "cache", "workspace", "trace", "runtime",
             "total"]
     cols = list(plans)
+    device = next((p["device"] for p in plans.values() if "device" in p), None)  # a device's plans: two memories
+    if device is not None:
+        cats += ["offload", "host"]
     heads = [f"recompute {c}" + (" *" if c == ran else "") for c in cols]
     lines = [f"{'MiB':<10}" + "".join(f"{h:>16}" for h in heads)]
     for cat in cats:
         lines.append(f"{cat:<10}" + "".join(f"{plans[c][cat] / MiB:>16,.1f}" for c in cols))
-    lines.append("total: params + frozen + optimizer + cache + trace + runtime + the larger of step (graph and grads) "
-                 "and grads + workspace (the optimizer's update)")
+    if device is None:
+        lines.append("total: params + frozen + optimizer + cache + trace + runtime + the larger of step (graph and "
+                     "grads) and grads + workspace (the optimizer's update)")
+    else:
+        lines.append(f"total: {device}'s memory: params + frozen + optimizer + cache + the larger of step (graph and "
+                     "grads) and grads + workspace; host: runtime + trace + offload (checkpoints in pinned memory)")
     if {"on", "off"} <= set(plans):
         lines.append(f"graph on/off: {plans['on']['graph'] / plans['off']['graph']:.3f}, "
                      f"total on/off: {plans['on']['total'] / plans['off']['total']:.3f}")
@@ -243,6 +250,7 @@ def cmd_finetune(args: argparse.Namespace) -> int:
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
+    from remat.core import devices
     from remat.models import load as models
     from remat.training import gate, step
 
@@ -253,12 +261,15 @@ def cmd_plan(args: argparse.Namespace) -> int:
         print(f"remat: note: --ctx {s.ctx} is above the model's maximum context {models.max_ctx(config)}",
               file=sys.stderr)
     gated = which in ("budget", "auto")  # else only the plans asked for: no budget to hold them to
-    budget = gate.Budget.of(s.memory_budget, ranks_here=args.world_size) if gated else gate.Budget.unlimited()
+    device = devices.planned(s.device)  # a device this machine lacks is planned all the same
+    budget = gate.Budget.of(s.memory_budget, ranks_here=args.world_size, device=device) if gated else \
+        gate.Budget.unlimited()
     admitted = gate.admit(s, budget, world_size=args.world_size, planners=gate.Planners(config))
     shown = list(admitted.plans) if gated else ["off", "on"] if which == "both" else [step.policy_name(which)]
     result: dict[str, Any] = {"model": s.model or "default", "ctx": s.ctx, "batch": s.batch, "path": s.path,
                               "walk": s.walk if s.path == "walk" else None, "loss_chunk": s.loss_chunk,
-                              "lora": s.lora, "world_size": args.world_size, "rank_batch": admitted.settings.batch,
+                              "lora": s.lora, "device": str(device), "world_size": args.world_size,
+                              "rank_batch": admitted.settings.batch,
                               "weights": s.weights,
                               "plans": {k: admitted.plans[k].as_dict() for k in shown}}
     if gated:

@@ -103,6 +103,11 @@ MemorySize = Annotated[int, BeforeValidator(_bytes), Field(gt=0)]
 WeightMix = Literal["f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "q4_k_s", "q4_k_m", "q5_k_s",
                     "q5_k_m", "q6_k"]
 Names = Annotated[list[str], BeforeValidator(_comma_list), Field(min_length=1)]
+# Where a step runs (`remat.core.devices`): checked present when it runs; a plan needs none.
+Device = Annotated[str, BeforeValidator(lambda v: v.strip().lower() if isinstance(v, str) else v),
+                   Field(pattern=r"^(auto|cpu|mps|cuda(:[0-9]{1,2})?)$")]
+DEVICE_HELP = ("auto (CUDA if present, else MPS, else the CPU), cpu, cuda, cuda:N or mps (untested); `remat plan` "
+               "plans for a device this machine lacks")
 
 
 @dataclass(frozen=True)
@@ -133,10 +138,11 @@ class TrainSettings(BaseModel):
                              description="learning rate (default 1e-3 with LoRA, 1e-4 with full fine-tuning)")
     seed: int = Field(0, ge=0, le=MAX_SEED, description="seed of the adapter's initial weights and the data order")
     recompute: str = Field(
-        "auto", pattern=r"^(auto|budget|off|on|layer|dots|every:[1-9][0-9]*)$",
+        "auto", pattern=r"^(auto|budget|off|on|layer|dots|offload|every:[1-9][0-9]*)$",
         description="what the backward recomputes: off (keep everything), on (keep one l_out mark per layer), "
-        "dots (keep matrix products too), every:K (one mark every K layers), budget (the fastest plan within "
-        "--memory-budget), auto (off when that fits, else as budget)")
+        "dots (keep matrix products too), offload (on a GPU: on, the marks kept in host memory), every:K (one "
+        "mark every K layers), budget (the fastest plan within --memory-budget), auto (off when that fits, else "
+        "as budget)")
     loss_chunk: int = Field(256, ge=0, description="tokens per piece of the loss head, 0 = one piece")
     path: Annotated[Literal["window", "walk"], BeforeValidator(lambda v: _renamed(v, "ubatch", "window"))] = Field(
         "window", description="window: one graph per whole window; walk: chunks of --ubatch tokens over a KV cache")
@@ -149,6 +155,7 @@ class TrainSettings(BaseModel):
     pack: Annotated[bool, Cli(action="store_true")] = Field(
         False, description="concatenate documents into windows (default: one document per window, padded)")
     memory_budget: MemorySize | None = Field(None, description="e.g. 2GiB (default: free memory of the device)")
+    device: Device = Field("auto", description=DEVICE_HELP)
     out: str | None = Field(None, description="folder for the adapter (PEFT + adapter.gguf), or the model when full")
     lora: Annotated[bool, Cli(("--full",), "store_false")] = Field(
         True, description="train a LoRA adapter (--full: fine-tune every weight instead)")
@@ -228,6 +235,8 @@ class ServeSettings(BaseModel):
     body_timeout: float = Field(10.0, gt=0, allow_inf_nan=False,
                                 description="seconds a request body may pause before the server answers 408")
     threads: int | None = Field(None, ge=1, description="torch CPU threads (default: torch's choice)")
+    device: Device = Field("auto", description="where the model decodes and jobs train by default: "
+                           + DEVICE_HELP.split(";")[0])
 
 
 def describe(e: ValidationError, *, flags: bool) -> str:

@@ -26,7 +26,10 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from remat.base.settings import GateRefused, MiB
+from remat.core import devices
 from remat.core.graph import TrainGraph, interpret, tensors_in
+
+HOST = "remat_host"  # node meta: the value lives in host memory beside a device's step (`remat.core.offload`)
 
 
 @dataclass
@@ -41,14 +44,31 @@ class Plan:
     workspace: int = 0  # the optimizer's update: AdamW's temporaries, three of its largest parameter (measured)
     trace: int = 0  # the traced graphs and their metadata: the process's growth while tracing (measured)
     runtime: int = 0  # the process before the model: interpreter, torch, libraries (measured, not modelled)
+    offload: int = 0  # a device's step: its checkpoints kept in host memory (`remat.core.offload`), at most at once
+    device: str = "cpu"  # where the step runs: on a device, `total` is the device's memory and `host` the host's
 
     @property
     def total(self) -> int:
-        resident = self.params + self.frozen + self.optimizer + self.cache + self.trace + self.runtime
+        """The peak of the memory the step runs in: on the CPU the process's (runtime and trace are in it), on a
+        device the device's (they are host memory, with the offloaded checkpoints: `host`)."""
+        resident = self.params + self.frozen + self.optimizer + self.cache
+        if self.device == "cpu":
+            resident += self.trace + self.runtime
         return resident + max(self.step, self.grads + self.workspace)
 
-    def as_dict(self) -> dict[str, int]:
-        return {**asdict(self), "total": self.total}
+    @property
+    def host(self) -> int:
+        """A device's step: the host memory it holds (the process, the offloaded checkpoints); 0 on the CPU, where
+        all of it is in `total`."""
+        return 0 if self.device == "cpu" else self.runtime + self.trace + self.offload
+
+    def as_dict(self) -> dict:
+        d = {**asdict(self), "total": self.total}
+        if self.device == "cpu":  # a CPU plan's figures, as they always were
+            del d["offload"], d["device"]
+        else:
+            d["host"] = self.host
+        return d
 
 
 
@@ -149,7 +169,8 @@ def _lifetimes(tg: TrainGraph) -> tuple[list[fx.Node], Lives, set]:
     nodes = list(tg.graph.nodes)
     pos = {n: i for i, n in enumerate(nodes)}
     held = [sized_storages(n) for n in nodes]
-    inputs = {s for n in nodes if n.op == "placeholder" for s, _ in held[pos[n]]}
+    # the graph does not allocate its inputs; a value kept in host memory (offload) is not the step's memory
+    inputs = {s for n in nodes if n.op == "placeholder" or n.meta.get(HOST) for s, _ in held[pos[n]]}
     outputs = {s for n in _output_nodes(tg.graph) for s, _ in held[pos[n]]} - inputs
     last_read = [max([i] + [pos[u] for u in n.users]) for i, n in enumerate(nodes)]
     return nodes, lives(held, last_read, inputs, outputs, [tg.workspace(n) for n in nodes]), outputs
@@ -194,7 +215,22 @@ def plan(tg: TrainGraph, order: Order | None = None) -> Plan:
         nodes, lifetimes, made_outputs = _lifetimes(tg)  # one walk over the storages for both peaks
         order = len(nodes), lifetimes, made_outputs
     inputs = [(r, n.meta.get("val")) for n, r in zip(tg.placeholders(), tg.roles)]
-    return planned(inputs, _made_grads(tg), order, tg.info)
+    return dataclasses.replace(planned(inputs, _made_grads(tg), order, tg.info), offload=host_bytes(tg))
+
+
+def host_bytes(tg: TrainGraph) -> int:
+    """The bytes of the values the step keeps in host memory (`HOST` nodes: a device's offloaded checkpoints),
+    each storage once: they are all alive between the forward's last copy out and the backward's first copy in."""
+    return sum({s: size for n in tg.graph.nodes if n.meta.get(HOST) for s, size in sized_storages(n)}.values())
+
+
+def placed(p: Plan, device: torch.device) -> Plan:
+    """`p` for a step on `device`: on an accelerator its memory is split from the host's (`Plan.host`), and AdamW
+    updates in place (`devices.optimizer_workspace`)."""
+    if devices.is_host(device):
+        return p
+    largest = p.workspace // 3  # planned as the CPU's single-tensor AdamW: three of the largest parameter
+    return dataclasses.replace(p, device=str(device), workspace=devices.optimizer_workspace(device, largest))
 
 
 def planned(inputs: Sequence[tuple[str, object]], made_grads: int, order: Order, info: dict) -> Plan:
@@ -313,12 +349,15 @@ def zero_shards(numels: list[int], world_size: int) -> list[int]:
 class Measured:
     graph: int  # peak live bytes of graph-allocated storages, observed
     step: int = 0  # the same with the grads: those the step makes, as it makes them, and those it was given
-    cuda_max_allocated: int | None = None
+    cuda_max_allocated: int | None = None  # the caching allocator's peaks over the step: in use,
+    cuda_max_reserved: int | None = None  # and held from the driver (blocks, rounding, fragmentation)
 
     def as_dict(self) -> dict[str, int]:
         d = {"graph": self.graph, "step": self.step}
         if self.cuda_max_allocated is not None:
             d["cuda_max_allocated"] = self.cuda_max_allocated
+        if self.cuda_max_reserved is not None:
+            d["cuda_max_reserved"] = self.cuda_max_reserved
         return d
 
 
@@ -337,7 +376,7 @@ def measure(tg: TrainGraph, args: list[torch.Tensor]) -> tuple[list, Measured]:
     inside: list[int] = []  # what the last node held inside beyond its value (`held_inside`)
 
     def made(node: fx.Node, value: object, env: dict) -> None:
-        for t in tensors_in(value):
+        for t in tensors_in(value) if not node.meta.get(HOST) else ():  # host memory: not the step's
             p = t.untyped_storage().data_ptr()
             if p in inputs or t.untyped_storage().nbytes() == 0:
                 continue
@@ -369,9 +408,11 @@ def measure(tg: TrainGraph, args: list[torch.Tensor]) -> tuple[list, Measured]:
     made_grads = sum({p: t.untyped_storage().nbytes() for t in tensors_in(outputs[1:])
                       if (p := t.untyped_storage().data_ptr()) not in inputs}.values())  # grads may share one
     held = sum(a.numel() * a.element_size() for a, r in zip(args, tg.roles) if r == "trainable") - made_grads
-    cuda_max = torch.cuda.max_memory_allocated() if cuda else None
+    if cuda:
+        torch.cuda.synchronize()
+    peaks = (torch.cuda.max_memory_allocated(), torch.cuda.max_memory_reserved()) if cuda else (None, None)
     return outputs, Measured(graph=_peak(events, skip=outs), step=_peak(events) + max(0, held),
-                             cuda_max_allocated=cuda_max)
+                             cuda_max_allocated=peaks[0], cuda_max_reserved=peaks[1])
 
 
 def _peak(events: list[tuple[int, int]], skip: frozenset[int] | set[int] = frozenset()) -> int:

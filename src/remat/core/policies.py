@@ -9,6 +9,7 @@ Built-ins, from most memory (fastest) to least:
   off        save everything (no rewrite at all; with dequantized weights in the step, all but them)
   dots       save matrix-product outputs and the layer marks; recompute the cheap ops between them
   layer/on   save one `l_out` mark per decoder layer (the residual stream); recompute the rest
+  offload    on a device: `on`, with the marks kept in pinned host memory until the backward (on the CPU: `on`)
   every:K    save every K-th layer mark; the marks between are recomputed once, as second-level
              checkpoints, and each layer's internals from the mark below it (Chen et al.'s sqrt(n)
              checkpointing: `recompute.rewrite`'s regions)
@@ -41,7 +42,7 @@ DOTS = frozenset({
 # Not views by their schema, but the same values laid out again: a product read through them is still saved.
 RESHAPES = frozenset({torch.ops.aten._unsafe_view.default, operator.getitem})
 
-SPEC = re.compile(r"off|on|layer|dots|every:([1-9][0-9]*)")
+SPEC = re.compile(r"off|on|layer|dots|offload|every:([1-9][0-9]*)")
 
 # Ops whose values, and views made of them alone, no policy saves: recomputed from their inputs before the
 # backward reads them, `off` included (a frozen weight dequantized from its blocks, `remat.models.quant`, whose
@@ -51,13 +52,18 @@ ALWAYS_RECOMPUTED: set = set()
 
 @dataclass(frozen=True)
 class Policy:
-    """A named predicate: `saves(node)` is True when the value is saved for the backward."""
+    """A named predicate: `saves(node)` is True when the value is saved for the backward. `offloads(node)`, where
+    given, names saved values a device's step keeps in host memory until the backward (JAX's
+    `save_and_offload_only_these_names`; `remat.core.offload`)."""
 
     name: str
     saves: Callable[[fx.Node], bool]
+    offloads: Callable[[fx.Node], bool] | None = None
 
     def __or__(self, other: Policy) -> Policy:
-        return Policy(f"{self.name}+{other.name}", lambda n: self.saves(n) or other.saves(n))
+        moved = [p.offloads for p in (self, other) if p.offloads is not None]
+        return Policy(f"{self.name}+{other.name}", lambda n: self.saves(n) or other.saves(n),
+                      (lambda n: any(f(n) for f in moved)) if moved else None)
 
 
 def layer_index(n: fx.Node, prefix: str = LAYER_MARK) -> int | None:
@@ -112,12 +118,20 @@ def parse(spec: str) -> Policy | None:
     """A policy from its name (`layer`, `dots`, `every:4`, `on` = `layer`); None for `off`."""
     m = SPEC.fullmatch(spec)
     if m is None:
-        raise ValueError(f"unknown recompute policy {spec!r}: off, on, layer, dots or every:K")
+        raise ValueError(f"unknown recompute policy {spec!r}: off, on, layer, dots, offload or every:K")
     if spec == "off":
         return None
     if spec == "dots":
         return dots() | layer_marks()
+    if spec == "offload":
+        return offload()
     return layer_marks(int(m[1]) if m[1] else 1)
+
+
+def offload() -> Policy:
+    """Save the layer marks, as `on`, and keep them in host memory on a device (on the CPU: `on`)."""
+    marks = layer_marks()
+    return Policy("offload", marks.saves, marks.saves)
 
 
 def recompute_cost(n: fx.Node) -> float:

@@ -13,9 +13,12 @@ import torch
 
 
 def available_memory(device: torch.device | str = "cpu") -> int:
-    """Free memory of the device: on CPU the kernel's MemAvailable estimate."""
+    """Free memory of the device: on CPU the kernel's MemAvailable estimate; CUDA's `mem_get_info`; on MPS what the
+    driver recommends at most less what it holds."""
     if torch.device(device).type == "cuda":
         return torch.cuda.mem_get_info(device)[0]
+    if torch.device(device).type == "mps":
+        return torch.mps.recommended_max_memory() - torch.mps.driver_allocated_memory()
     with open("/proc/meminfo") as f:
         for line in f:
             if line.startswith("MemAvailable:"):

@@ -27,9 +27,12 @@ from transformers import AttentionInterface, masking_utils
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, causal_mask_function, eager_mask, sdpa_mask
 
+from remat.core import attention
 from remat.core.marks import LAYER_MARK, mark
 
 ATTENTION = "remat"
+ATTENTION_CUDA = "remat_cuda"  # the same, for a step that runs on CUDA: the SDPA kernel chosen by remat
+CUDA = torch.device("cuda")
 # The same attention, with masks as transformers makes them for eager attention (float, 0 or the dtype's min), for
 # a model that ships eager attention only: its code may extend or add to its mask as such (DeepSeek-V4 concatenates
 # its compressors' causal bias onto it), where remat's boolean SDPA masks would be read wrongly.
@@ -85,8 +88,17 @@ def _attention(module, query, key, value, attention_mask, **kwargs):
     return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
 
 
+def _attention_on_cuda(module, query, key, value, attention_mask, **kwargs):
+    """remat's attention for a step that runs on CUDA: SDPA by the kernel remat chooses for CUDA, whatever device
+    the (fake) tensors are on, so the step planned without a GPU holds the op the GPU runs (`core.attention`)."""
+    with attention.routed(CUDA):
+        return _attention(module, query, key, value, attention_mask, **kwargs)
+
+
 AttentionInterface.register(ATTENTION, _attention)
 AttentionMaskInterface.register(ATTENTION, _mask)
+AttentionInterface.register(ATTENTION_CUDA, _attention_on_cuda)
+AttentionMaskInterface.register(ATTENTION_CUDA, _mask)
 AttentionInterface.register(ATTENTION_EAGER_MASKS, _attention)
 AttentionMaskInterface.register(ATTENTION_EAGER_MASKS, eager_mask)
 
@@ -239,23 +251,30 @@ def _marks(layer: nn.Module) -> list[tuple[int, _Mark]]:
     return [(k, h) for k, h in layer._forward_hooks.items() if isinstance(h, _Mark)]
 
 
-def prepare(model: nn.Module) -> None:
+def prepare(model: nn.Module, device: torch.device | None = None) -> None:
     """Ready a model for tracing (idempotent): mark its decoder layers' outputs `l_out.{i}` (forward hooks),
     select remat's attention and masks, and traceable experts. `unprepare` undoes it.
 
-    A model that ships without SDPA gets its masks in eager attention's format (`ATTENTION_EAGER_MASKS`).
-    A model whose attention cannot be selected (no attention at all: Mamba; or its own attention
-    only) keeps the attention it has.
+    `device` is where the step runs (default: where the model is, or, prepared already, as it was): on CUDA,
+    remat's attention runs the SDPA kernel remat chooses (`ATTENTION_CUDA`), whatever device the tensors traced
+    are on. A model that ships
+    without SDPA gets its masks in eager attention's format (`ATTENTION_EAGER_MASKS`). A model whose attention
+    cannot be selected (no attention at all: Mamba; or its own attention only) keeps the attention it has.
     """
     lm = causal_lm(model)
     layers = decoder_layers(lm)
+    on_cuda = (device or next(lm.parameters()).device).type == "cuda"
+    wanted = (ATTENTION_CUDA if on_cuda else ATTENTION) if lm._supports_sdpa else ATTENTION_EAGER_MASKS
     if _marks(layers[0]):
+        held = lm.config._attn_implementation
+        if device is not None and held in (ATTENTION, ATTENTION_CUDA) and held != wanted:  # for another device
+            lm.set_attn_implementation(wanted)
         return
     before = (lm.config._attn_implementation, getattr(lm.config, "_experts_implementation", None))
     for i, layer in enumerate(layers):
         layer.register_forward_hook(_Mark(f"{LAYER_MARK}.{i}", before if i == 0 else None))
     try:
-        lm.set_attn_implementation(ATTENTION if lm._supports_sdpa else ATTENTION_EAGER_MASKS)
+        lm.set_attn_implementation(wanted)
     except ValueError as e:  # transformers: "... does not support an attention implementation through ..."
         if "attention" not in str(e):
             raise
@@ -270,12 +289,12 @@ def unprepare(model: nn.Module) -> None:
     marks = _marks(layers[0])
     if not marks:
         return
-    attention, experts = marks[0][1].before or (None, None)
+    attn, experts = marks[0][1].before or (None, None)
     for layer in layers:
         for k, _ in _marks(layer):
             del layer._forward_hooks[k]
-    if attention is not None and attention != lm.config._attn_implementation:
-        lm.set_attn_implementation(attention)
+    if attn is not None and attn != lm.config._attn_implementation:
+        lm.set_attn_implementation(attn)
     if experts is not None and lm._can_set_experts_implementation():
         lm.set_experts_implementation(experts)
 

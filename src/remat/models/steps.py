@@ -28,6 +28,7 @@ import torch
 from torch import nn
 from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicOutputShapeException
 
+from remat.core import attention
 from remat.core.capture import Recorder, Seeded, into, trace
 from remat.core.graph import TrainGraph
 from remat.models import delta_rule
@@ -37,24 +38,29 @@ from remat.models.stored import compute_dtype
 
 
 def window_step(model: nn.Module, input_ids: torch.Tensor, labels: torch.Tensor, *, loss_chunk: int = 0,
-                recorder: Recorder | None = None) -> TrainGraph:
-    """Trace the train step of `model` on a batch of this shape into a TrainGraph.
+                recorder: Recorder | None = None, device: torch.device | None = None) -> TrainGraph:
+    """Trace the train step of `model` on a batch of this shape into a TrainGraph, for the step to run on
+    `device` (default: where the model is; its kernels: `hf.prepare`, `core.attention`).
 
     Nothing of the step is computed: tracing runs on FakeTensors, and each node's
     `meta["val"]` carries shape, dtype, strides and storage for the planner.
     """
     try:
         return _traced(model, functools.partial(causal_lm_loss, loss_chunk=loss_chunk),
-                       {"input_ids": ("input", input_ids), "labels": ("input", labels)}, recorder,
+                       {"input_ids": ("input", input_ids), "labels": ("input", labels)}, recorder, device,
                        info={"shape": tuple(input_ids.shape), "loss_chunk": loss_chunk})
     except (DataDependentOutputException, DynamicOutputShapeException) as e:
         raise UnsupportedModel(reads_values(model, e)) from None
 
 
-def _traced(model: nn.Module, loss_fn, inputs: dict, recorder: Recorder | None, **kwargs) -> TrainGraph:
-    prepare(model)  # the marks and attention, before the tensors are listed
+def _traced(model: nn.Module, loss_fn, inputs: dict, recorder: Recorder | None, device: torch.device | None,
+            **kwargs) -> TrainGraph:
+    device = device or next(model.parameters()).device
+    prepare(model, device)  # the marks and attention, before the tensors are listed
+    # what the attention kernels remat chooses on the device hold inside (none on the CPU)
+    held = {**delta_rule.WORKSPACES, **attention.workspaces(device)}
     with delta_rule.swapped(model):
-        return trace(model, loss_fn, inputs, recorder=recorder, workspaces=delta_rule.WORKSPACES, **kwargs)
+        return trace(model, loss_fn, inputs, recorder=recorder, workspaces=held, **kwargs)
 
 
 def reads_values(model: nn.Module, e: BaseException) -> str:
@@ -135,10 +141,11 @@ def exact_chunk_loss(model: nn.Module, *inputs: torch.Tensor, names: list[str], 
 
 
 def chunk_step(model: nn.Module, batch: int, ctx: int, ubatch: int, *, loss_chunk: int = 0, exact: bool = False,
-               probes: Probes | None = None, recorder: Recorder | None = None) -> TrainGraph:
+               probes: Probes | None = None, recorder: Recorder | None = None,
+               device: torch.device | None = None) -> TrainGraph:
     """Trace one walk chunk's step: placeholders are the model's tensors, the states (and, exact, their
     gradient buffers), offset, target count, batch, then the window's gradient sums (`capture.trace`'s
-    `accumulate`: the chunk adds its grads into them and returns them)."""
+    `accumulate`: the chunk adds its grads into them and returns them). `device`: as `window_step`'s."""
     if ctx % ubatch:
         raise ValueError(f"--ctx {ctx} is not a multiple of --ubatch {ubatch}")
     probes = probes or Probes(model)
@@ -167,7 +174,8 @@ def chunk_step(model: nn.Module, batch: int, ctx: int, ubatch: int, *, loss_chun
             "loss_chunk": loss_chunk, "saved_states": starts}
     try:
         with walking(model):  # Mamba's scans from the carried state, GPT-Neo's masks by positions
-            return _traced(model, loss, inputs, recorder, info=info, accumulate=True)  # one set: the window's sums
+            # one set of grads: the window's sums
+            return _traced(model, loss, inputs, recorder, device, info=info, accumulate=True)
     except (DataDependentOutputException, DynamicOutputShapeException) as e:
         # with a cache: learned positions read from the cache's length (MPT, XGLM), or routing read as values
         raise UnsupportedModel(f"the walk path does not support {reads_values(model, e)}") from None

@@ -58,17 +58,18 @@ async def lifespan(app: FastAPI):
 def create_app(*, model: str | None = None, parallel: int = SERVE["parallel"], api_keys: list[str] | None = None,
                max_slowdown_ppm: int = DEFAULT_SLOWDOWN_PPM, memory_budget: int | None = None,
                state_dir: str | Path = SERVE["state_dir"], max_body: int = SERVE["max_body"], n_ctx: int | None = None,
-               on_load_error=None, body_timeout: float = BODY_TIMEOUT) -> FastAPI:
+               on_load_error=None, body_timeout: float = BODY_TIMEOUT, device: str = "cpu") -> FastAPI:
     """The FastAPI app; the options are `remat serve`'s. `model`: a spec for `load_model` (None: the embedded
-    default). The model loads in a background thread when the app starts (lifespan): /health answers 503
-    until it is ready. `on_load_error(message)` is called if loading fails."""
+    default), decoding on `device` (resolved: `cpu`, `cuda:0`), where jobs train unless they say. The model loads
+    in a background thread when the app starts (lifespan): /health answers 503 until it is ready.
+    `on_load_error(message)` is called if loading fails."""
     app = openapi.App(title="remat", version=VERSION, lifespan=lifespan,
                       default_response_class=errors.SafeJSONResponse,
                       description="Serve a model and fine-tune it: llama.cpp's and OpenAI's API shapes.")
     app.state.bodies = _bodies(model, n_ctx, parallel)
     app.state.server = Server(model=model, parallel=parallel, max_slowdown_ppm=max_slowdown_ppm,
                               memory_budget=memory_budget, state_dir=Path(state_dir), n_ctx=n_ctx,
-                              on_load_error=on_load_error)
+                              on_load_error=on_load_error, device=device)
     app.add_middleware(BodyLimitMiddleware, limit=max_body, timeout=body_timeout)
     app.add_middleware(ApiKeyMiddleware, keys=list(api_keys or []))
     app.add_middleware(HeadMiddleware)  # added last: runs first (a HEAD is the GET, checked alike)
@@ -112,10 +113,19 @@ def main(args: ServeSettings) -> int:
     if args.ctx is not None and max_ctx is not None and args.ctx > max_ctx:
         print(f"remat: error: --ctx {args.ctx} is above the model's maximum context {max_ctx}", file=sys.stderr)
         return 2
-    if args.threads:
-        import torch
+    import torch
 
+    from remat.base.settings import UsageError
+    from remat.core import devices
+
+    if args.threads:
         torch.set_num_threads(args.threads)
+    try:
+        device = devices.resolve(args.device)  # a device this machine lacks: refused now, one line
+    except UsageError as e:
+        print(f"remat: error: {e}", file=sys.stderr)
+        return 2
+    devices.prepare(device)
     warnings.filterwarnings("ignore", category=FutureWarning)  # library deprecation chatter, not for users
     logging.basicConfig(level=logging.WARNING, format="remat serve: %(message)s", stream=sys.stderr)
     log.setLevel(logging.INFO)  # our own lines; libraries' INFO chatter (gguf writer) stays out
@@ -130,7 +140,7 @@ def main(args: ServeSettings) -> int:
     app = create_app(model=args.model, parallel=args.parallel, api_keys=args.api_key,
                      max_slowdown_ppm=args.max_slowdown_ppm, memory_budget=args.memory_budget,
                      state_dir=args.state_dir, max_body=args.max_body, n_ctx=args.ctx, on_load_error=on_load_error,
-                     body_timeout=args.body_timeout)
+                     body_timeout=args.body_timeout, device=str(device))
     server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level="warning",
                                            access_log=False, timeout_graceful_shutdown=5))
     server_box.append(server)

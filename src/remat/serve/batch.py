@@ -170,7 +170,7 @@ class BatchCache:
             elif isinstance(layer, LinearAttentionLayer):
                 for states, i in _states(layer):
                     if states[i] is not None:
-                        states[i] = states[i].index_select(0, index)
+                        states[i] = states[i].index_select(0, index.to(states[i].device))
             elif len(rows) != self.rows:  # a lone cache that does not merge: it goes whole or stays whole
                 raise ValueError("cannot drop rows of a cache that does not merge")
         self.pad, self.width = [p - shift for p in pad], self.width - shift

@@ -74,10 +74,11 @@ class Engine:
     tokenizer: PreTrainedTokenizerBase
 
     def __init__(self, spec: str | None, *, parallel: int = 1, n_ctx: int | None = None, scheduler=None,
-                 adapters: Callable[[], list[dict]] | None = None, seed: int = 0):
+                 adapters: Callable[[], list[dict]] | None = None, seed: int = 0, device: str = "cpu"):
         if parallel < 1:
             raise ValueError("parallel must be at least 1")
         self.spec, self.seed, self.parallel = spec, seed, parallel
+        self.device = torch.device(device)  # the model's: inputs go there, logits come back to the sampler's CPU
         self.requested_ctx = n_ctx
         self.scheduler = scheduler
         self.adapter_source = adapters or list
@@ -107,7 +108,7 @@ class Engine:
         except Exception as e:  # reported by /health; the server stays up
             self.load_error = one_line(e)
             raise
-        model = lm.model
+        model = torch.nn.Module.to(lm.model, self.device)
         model.eval()
         model.requires_grad_(False)
         model.config.use_cache = True  # load_model turns the cache off for training
@@ -295,7 +296,11 @@ class Engine:
     def forward(self, input_ids: torch.Tensor, cache, **kw):
         """The model's forward over `input_ids` onto `cache`: the last position's logits. The model is a black
         box called with transformers' arguments, so a faster forward (quantized weights) drops in here."""
-        return self.model(input_ids=input_ids, use_cache=True, logits_to_keep=1, **{self._cache_kw: cache}, **kw)
+        kw = {k: v.to(self.device) if isinstance(v, torch.Tensor) else v for k, v in kw.items()}
+        out = self.model(input_ids=input_ids.to(self.device), use_cache=True, logits_to_keep=1,
+                         **{self._cache_kw: cache}, **kw)
+        out.logits = out.logits.to("cpu")  # sampled on the CPU; on a device this waits for the step: timed whole
+        return out
 
     def decode_begin(self) -> None:
         """A sequence took a slot (the scheduler counts busy slots)."""

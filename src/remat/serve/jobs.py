@@ -22,6 +22,7 @@ from pathlib import Path
 from pydantic import ValidationError
 
 from remat.base.settings import GateRefused, TrainSettings, UsageError, describe, one_line
+from remat.core import devices
 from remat.models import adapters
 from remat.models import load as models
 from remat.serve import body
@@ -61,13 +62,14 @@ class _Planned:
 class JobManager:
     def __init__(self, *, model: str | None, state_dir: Path, scheduler: Scheduler,
                  memory_budget: int | None = None, save_every: int = 1, tokenizer=None,
-                 decode_reserve: Callable[[], int] = lambda: 0):
+                 decode_reserve: Callable[[], int] = lambda: 0, device: str = "cpu"):
         """`model`: the spec the server trains (None: the embedded default). `save_every`: steps between
         checkpoints of a job that does not say (they make a crashed job resumable). `tokenizer`: the served
         model's, to check at submit that the data gives windows (presets bring their own). `decode_reserve`: what
         the decode slots' KV caches may still grow by (a job's budget read from free memory leaves it)."""
         self.model, self.scheduler, self.memory_budget = model, scheduler, memory_budget
         self.decode_reserve = decode_reserve
+        self.device = device  # where the server decodes (its KV caches), and where a job trains unless it says
         self.save_every = save_every
         self.state_dir = Path(state_dir)
         self.state_dir.mkdir(parents=True, exist_ok=True)
@@ -228,6 +230,11 @@ class JobManager:
         self._check_open()
         s, records, name = self._settings(req)
         try:
+            devices.resolve(s.device)  # a device this machine lacks: the job could only fail
+        except UsageError as e:
+            body.release(records)
+            raise invalid("device", str(e).replace("--", "")) from None
+        try:
             steps = self._check_data(s, records)
             return _Planned(s, records, name, steps, self._admit(s))
         except ApiError:
@@ -265,6 +272,7 @@ class JobManager:
         if isinstance(lora, dict):
             fields.update({f"lora_{k}": v for k, v in lora.items()})
         fields.setdefault("save_every", self.save_every or None)
+        fields.setdefault("device", self.device)
         try:
             return TrainSettings(model=self.model, out="<job folder>", **fields)
         except ValidationError as e:
@@ -315,8 +323,15 @@ class JobManager:
     def budget(self, s: TrainSettings) -> gate.Budget:
         """A job's budget: its own `memory_budget` at most the server's (`--memory-budget`; else the free memory,
         less what the decode slots' KV caches may still take)."""
+        device = devices.planned(s.device)
+        # the decode slots' KV caches grow where the server decodes
+        reserve = self.decode_reserve() if device == devices.planned(self.device) else 0
+        if not devices.is_host(device):  # a device's: its memory, the host's beside it
+            server = gate.Budget.of(self.memory_budget, device=device) if self.memory_budget else \
+                gate.Budget.of(device=device).less("the decode slots' KV caches still to grow", reserve, on_device=True)
+            return gate.Budget.of(s.memory_budget, cap=server, device=device)
         server = gate.Budget(self.memory_budget, "the server's --memory-budget") if self.memory_budget else \
-            gate.Budget.of().less("the decode slots' KV caches still to grow", self.decode_reserve())
+            gate.Budget.of().less("the decode slots' KV caches still to grow", reserve)
         return gate.Budget.of(s.memory_budget, cap=server)
 
     def _warm(self) -> None:

@@ -22,8 +22,9 @@ log = logging.getLogger("remat.serve")
 
 class Server:
     def __init__(self, *, model: str | None, parallel: int, max_slowdown_ppm: int, memory_budget: int | None,
-                 state_dir: Path, n_ctx: int | None, on_load_error=None):
+                 state_dir: Path, n_ctx: int | None, on_load_error=None, device: str = "cpu"):
         self.model_spec, self.parallel, self.max_slowdown_ppm = model, parallel, max_slowdown_ppm
+        self.device = device  # where the model decodes, and jobs train unless they say
         self.memory_budget, self.state_dir, self.n_ctx = memory_budget, Path(state_dir), n_ctx
         self.on_load_error = on_load_error
         self.scheduler: Scheduler | None = None
@@ -36,7 +37,7 @@ class Server:
     def start(self) -> None:
         self.scheduler = scheduler = Scheduler(max_slowdown_ppm=self.max_slowdown_ppm)
         self.engine = engine = Engine(self.model_spec, parallel=self.parallel, n_ctx=self.n_ctx,
-                                      scheduler=scheduler, adapters=self.adapters)
+                                      scheduler=scheduler, adapters=self.adapters, device=self.device)
         threading.Thread(target=self._load, args=(engine, scheduler), name="remat-load", daemon=True).start()
 
     def adapters(self) -> list[dict]:
@@ -52,7 +53,7 @@ class Server:
                 return max(0, engine.kv_cache_reserve() - engine.kv_cache_bytes())
 
             self.jobs = JobManager(model=self.model_spec, state_dir=self.state_dir, scheduler=scheduler,
-                                   decode_reserve=reserve,
+                                   decode_reserve=reserve, device=self.device,
                                    memory_budget=self.memory_budget, tokenizer=engine.tokenizer)
             self.ready.set()
             log.info("model %s loaded (n_ctx %d)", engine.name, engine.n_ctx)

@@ -54,6 +54,7 @@ import torch
 import torch.distributed as dist
 
 from remat.base.settings import RematError, TrainSettings, UsageError, one_line
+from remat.core import devices
 from remat.training import checkpoints
 
 BUCKET_BYTES = 32 << 20  # grads are all-reduced in flat buckets of about this size
@@ -124,11 +125,13 @@ class Ranks:
 
     def optimizer(self, params: list[torch.Tensor], *, lr: float, weight_decay: float) -> torch.optim.Optimizer:
         """AdamW; with several ranks its state sharded across them (ZeRO-1, see the module's docstring)."""
+        fused = devices.optimizer_options(params[0].device)  # a device's AdamW: in place, one kernel (the plan's)
         if not self.parallel:
-            return torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay)
+            return torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay, **fused)
         from torch.distributed.optim import ZeroRedundancyOptimizer  # a second to import: only ranks pay it
 
-        return ZeroRedundancyOptimizer(params, optimizer_class=torch.optim.AdamW, lr=lr, weight_decay=weight_decay)
+        return ZeroRedundancyOptimizer(params, optimizer_class=torch.optim.AdamW, lr=lr, weight_decay=weight_decay,
+                                       **fused)
 
     def optimizer_state_bytes(self, optimizer: torch.optim.Optimizer) -> list[int]:
         """Bytes of the optimizer state tensors each rank really holds, rank by rank."""

@@ -13,12 +13,15 @@ since it was read (measured).
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
+import torch
 import transformers
 from torch import nn
 
-from remat.base.settings import GateRefused, TrainSettings
+from remat.base.settings import GateRefused, TrainSettings, UsageError
+from remat.core import devices
 from remat.core.capture import EagerStridesFakeMode
 from remat.core.plan import Plan, mib
 from remat.core.process import available_memory
@@ -33,17 +36,26 @@ class Budget:
     """The bytes a job may allocate (its plan's total less the measured `runtime` and `trace`) and where that
     figure comes from. A budget read from free memory is lessened by what the process takes after the reading
     (`less`); one that was asked for (`--memory-budget`) is what the job may allocate, whatever the process holds.
+
+    A device's job has two: `bytes` of the device's memory (`device`: where its step runs, `total` of its plan)
+    and `host`, the host memory beside it (its plan's `host`: the process, the offloaded checkpoints).
     """
 
     bytes: int
     source: str  # "--memory-budget", "the server's budget", "free memory", ...
     read: bool = False  # from free memory: later growth of the process comes out of it
     deducted: tuple[tuple[str, int], ...] = ()
+    device: str = "cpu"  # the memory `bytes` is of: the host's, or a device's ("cuda:0")
+    host: Budget | None = None  # a device's job: the host's budget beside it
 
     @classmethod
-    def of(cls, asked: int | None = None, *, cap: Budget | None = None, ranks_here: int = 1) -> Budget:
+    def of(cls, asked: int | None = None, *, cap: Budget | None = None, ranks_here: int = 1,
+           device: torch.device | str = "cpu") -> Budget:
         """The job's own budget (`asked`, bytes), at most `cap` (a server's budget for its jobs); without one, `cap`;
-        without either, the free memory now, shared by the `ranks_here` processes of a data-parallel run here."""
+        without either, the free memory now, shared by the `ranks_here` processes of a data-parallel run here. On
+        a device, that is the device's memory (each rank has its own), with the host's free memory beside it."""
+        if not devices.is_host(device):
+            return cls._of_device(asked, cap, ranks_here, devices.planned(str(device)))
         if cap is not None:
             return cap if asked is None or cap.bytes <= asked else cls(asked, "the job's memory_budget")
         if asked is not None:
@@ -52,19 +64,41 @@ class Budget:
         return cls(available_memory() // ranks_here, f"free memory{share}", read=True)
 
     @classmethod
+    def _of_device(cls, asked: int | None, cap: Budget | None, ranks_here: int, device: torch.device) -> Budget:
+        here = devices.present(device)  # else planned for a machine this is not: its host memory is not known here
+        host = cap.host if cap is not None and cap.host is not None else \
+            cls.of(ranks_here=ranks_here) if here else cls.unlimited()
+        if cap is not None and (asked is None or cap.bytes <= asked):
+            return cap
+        if asked is not None:
+            return cls(asked, "the job's memory_budget" if cap else "--memory-budget", device=str(device), host=host)
+        if not here:
+            raise UsageError(f"--device {device}: not on this machine, so its free memory is not known: give "
+                             "--memory-budget (the card's memory)")
+        free = cls(available_memory(device), f"free memory of {device}", True, device=str(device), host=host)
+        # cuBLAS takes its workspace from the allocator at the first product, outside the step's plan
+        return free.less("cuBLAS's workspace", devices.CUBLAS_WORKSPACE, on_device=True)
+
+    @classmethod
     def unlimited(cls) -> Budget:
         """No limit: plans only (`remat plan` without a budget)."""
         return cls(1 << 62, "no limit")
 
-    def less(self, what: str, nbytes: int) -> Budget:
-        """Read from free memory: less `nbytes` the process took since (`what`, measured). Asked for: itself."""
+    def less(self, what: str, nbytes: int, *, on_device: bool = False) -> Budget:
+        """Read from free memory: less `nbytes` the process took since (`what`, measured), from the host's memory;
+        `on_device`: from the device's (a server's KV caches where it decodes). Asked for: itself."""
+        if self.host is not None and not on_device:
+            return dataclasses.replace(self, host=self.host.less(what, nbytes))
         if not self.read or nbytes <= 0:
             return self
-        return Budget(self.bytes - nbytes, self.source, True, (*self.deducted, (what, nbytes)))
+        return dataclasses.replace(self, bytes=self.bytes - nbytes, deducted=(*self.deducted, (what, nbytes)))
 
     def __str__(self) -> str:
         less = "".join(f", less {what} {mib(n)}" for what, n in self.deducted)
-        return f"{mib(self.bytes)} ({self.source}{less})"
+        if self.host is None:
+            return f"{mib(self.bytes)} ({self.source}{less})"
+        host = "no limit" if self.host.source == "no limit" else str(self.host)
+        return f"{mib(self.bytes)} of {self.device} ({self.source}{less}); host {host}"
 
 
 @dataclass
@@ -94,8 +128,10 @@ class Admitted:
 
     def answer(self) -> dict:
         """The answer as callers show it: the policy, why, the budget (bytes and source) and every plan."""
+        device = {"device": self.budget.device, "host_budget": self.budget.host.bytes} if self.budget.host else {}
         return {"policy": self.policy, "recompute_reason": self.choice.reason, "budget": self.budget.bytes,
-                "budget_source": str(self.budget), "plans": {k: p.as_dict() for k, p in self.plans.items()}}
+                "budget_source": str(self.budget), "plans": {k: p.as_dict() for k, p in self.plans.items()},
+                **device}
 
 
 def admit(s: TrainSettings, budget: Budget, *, world_size: int = 1, planner: Planner | None = None,
@@ -111,7 +147,8 @@ def admit(s: TrainSettings, budget: Budget, *, world_size: int = 1, planner: Pla
     if planner is None:
         planner = (planners or Planners(models.load_config(s.model))).planner(s, budget)
     shape = StepShape.of(local)
-    choice = planner.choose(shape, s.recompute, budget.bytes, world_size)
+    choice = planner.choose(shape, s.recompute, budget.bytes, world_size,
+                            host=budget.host.bytes if budget.host is not None else None)
     return Admitted(local, shape, budget, choice, planner, world_size)
 
 
@@ -149,7 +186,7 @@ class Planners:
 
     def __init__(self, config: transformers.PretrainedConfig):
         self.config = config
-        self._planners: dict[tuple | None, Planner] = {}
+        self._planners: dict[tuple[tuple | None, torch.device], Planner] = {}
         self._linears: list[tuple[str, int, int]] | None = None
 
     def planner(self, s: TrainSettings, budget: Budget) -> Planner:
@@ -157,11 +194,13 @@ class Planners:
         refuse_lora(s, budget, self.linears())
         lora = lora_settings(s)
         key = None if lora is None else (lora.r, lora.alpha, lora.dropout, tuple(lora.targets or ()), s.weights)
-        if key not in self._planners:
+        device = devices.planned(s.device)  # a device's step is traced for it: its kernels, its memory
+        if (key, device) not in self._planners:
             # quant: the frozen weights as the loaded model will hold them (a GGUF's blocks; --weights' mix)
             model = planned.plan_as_stored(self.base(), s.model, s.weights, lora is not None)
-            self._planners[key] = Planner(model if lora is None else adapters.apply_lora(model, lora, seed=s.seed))
-        return self._planners[key]
+            model = model if lora is None else adapters.apply_lora(model, lora, seed=s.seed)
+            self._planners[key, device] = Planner(model, device)
+        return self._planners[key, device]
 
     def linears(self) -> list[tuple[str, int, int]]:
         if self._linears is None:

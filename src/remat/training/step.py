@@ -21,9 +21,9 @@ from torch._subclasses.fake_tensor import FakeTensor
 
 from remat.base import collector
 from remat.base.settings import GateRefused, TrainSettings
-from remat.core import policies
+from remat.core import devices, offload, policies
 from remat.core.graph import TrainGraph
-from remat.core.plan import Plan, mib, plan, rank_share
+from remat.core.plan import Plan, mib, placed, plan, rank_share
 from remat.core.recompute import Rewriter, keep_reasons, saved_nodes
 from remat.fastplan import pieces, record, stamp
 from remat.models import stored
@@ -62,6 +62,9 @@ LAYERS_ALIKE = ("off", "dots", "on")
 # the marks between its kept ones as second-level checkpoints, and each layer from the mark below (Chen et al.),
 # so it plans below "on" for K up to about sqrt(layers).
 LADDER = ("off", "dots", "on", "every:2", "every:4")
+# On a device: the marks kept in host memory (`offload`) cost copies alone, so that rung comes before every:K's
+# recompute. It saves what `on` saves (on the device: nothing across the backward).
+DEVICE_LADDER = ("off", "dots", "on", "offload", "every:2", "every:4")
 
 
 @dataclass
@@ -97,8 +100,11 @@ class Planner:
     use; `forget_graphs` drops the graphs and keeps the plans (a server asked for shape after shape).
     """
 
-    def __init__(self, model: nn.Module):
+    def __init__(self, model: nn.Module, device: torch.device | None = None):
         self.model = model
+        # where the step runs: traced for it (its kernels), planned on it (its memory split from the host's)
+        self.device = device or next(model.parameters()).device
+        self.ladder = LADDER if devices.is_host(self.device) else DEVICE_LADDER
         self.probes = Probes(model)  # the walk's: what running the model taught about its states
         self.picked: stamp.Picked | None = None  # the layers a stamp traces, picked once per model
         self._shapes: dict[tuple, _Shape] = {}
@@ -110,7 +116,7 @@ class Planner:
         per call: a walk over every module)."""
         trainable = [(n, p) for n, p in self.model.named_parameters() if p.requires_grad]
         kept = self._shapes.setdefault((shape, tuple(n for n, _ in trainable)), _Shape())
-        return _Step(shape, kept, [p.numel() for _, p in trainable])
+        return _Step(shape, kept, [p.numel() for _, p in trainable], self.device)
 
     @collector.paused
     def build(self, shape: StepShape, policy: str | bool) -> TrainGraph:
@@ -125,6 +131,8 @@ class Planner:
         if name not in graphs:
             chosen = at.kept.saved_back.get(name) or self._policy(name)
             graphs[name] = self._traced_step(at) if chosen is None else self._rewriter(at)(chosen)
+            if chosen is not None and offload.applies(chosen, self.device):  # the checkpoints kept in host memory
+                graphs[name] = offload.apply(graphs[name], chosen, self.device)
         return graphs[name]
 
     def _policy(self, name: str) -> policies.Policy | None:
@@ -157,7 +165,8 @@ class Planner:
         if shape.path == "walk":
             assert shape.ubatch is not None
             return chunk_step(self.model, shape.batch, shape.ctx, shape.ubatch, loss_chunk=shape.loss_chunk,
-                              exact=shape.walk != "truncated", probes=self.probes, recorder=record.record)
+                              exact=shape.walk != "truncated", probes=self.probes, recorder=record.record,
+                              device=self.device)
         stamper = self._stamper(at)
         return stamper.graph() if stamper is not None else self._traced(shape)
 
@@ -166,7 +175,8 @@ class Planner:
         ids = torch.zeros(shape.batch, shape.ctx, dtype=torch.long)
 
         def whole() -> TrainGraph:  # two tensors: two inputs
-            return window_step(self.model, ids, ids.clone(), loss_chunk=shape.loss_chunk, recorder=record.record)
+            return window_step(self.model, ids, ids.clone(), loss_chunk=shape.loss_chunk, recorder=record.record,
+                               device=self.device)
 
         if self.planning:
             with contextlib.suppress(stamp.NotStampable):
@@ -204,6 +214,8 @@ class Planner:
         if name in at.kept.graphs:  # a graph already made
             return plan(self._build(at, name))
         chosen = self._policy(name)
+        if offload.applies(chosen, self.device):  # a pass on the made graph: planned from it
+            return plan(self._build(at, name))
         stamper = self._stamper(at) if name in LAYERS_ALIKE else None
         if stamper is not None:  # planned from the few layers traced, rewritten: no graph of the whole step
             with contextlib.suppress(stamp.NotStampable):
@@ -212,32 +224,39 @@ class Planner:
         return plan(self._build(at, name)) if chosen is None else self._rewriter(at).plan(chosen)
 
     @collector.paused
-    def choose(self, shape: StepShape, recompute: str, budget: int, world_size: int = 1) -> Choice:
+    def choose(self, shape: StepShape, recompute: str, budget: int, world_size: int = 1,
+               host: int | None = None) -> Choice:
         """The fastest plan that fits `budget` among those `recompute` allows, or GateRefused.
 
         A named policy is taken as it is. "auto" tries no recompute first; "budget" starts with the
         built-ins from the fastest down (`LADDER`, without off), takes the first that fits, then saves back
         what the next faster one saves (for dots: off, everything), the values most expensive to recompute
         per byte first (FLOPs, `policies.recompute_cost`), while the plan still fits.
+
+        On a device, `budget` is the device's memory (a plan's `total`) and `host`, where given, the host's beside
+        it (a plan's `host`), and the ladder has `offload` after `on` (`DEVICE_LADDER`).
         """
         at = self._at(shape)
-        choice = self._choose(at, recompute, budget, world_size)
+        choice = self._choose(at, recompute, budget, world_size, host)
         for name in ("off", "on"):  # shown beside the choice: what recompute saves (or costs) on this job
             choice.plans.setdefault(name, self._plan(at, name, world_size))
         return choice
 
-    def _choose(self, at: _Step, recompute: str, budget: int, world_size: int) -> Choice:
+    def _choose(self, at: _Step, recompute: str, budget: int, world_size: int, host: int | None) -> Choice:
+        def fits(p: Plan) -> bool:
+            return p.total <= budget and (host is None or p.host <= host)
+
         if recompute not in ("auto", "budget"):
             name = policy_name(recompute)
             named = {name: self._plan(at, name, world_size)}
-            if named[name].total <= budget:
+            if fits(named[name]):
                 return Choice(name, f"plan {mib(named[name].total)} fits the budget {mib(budget)}", named)
             self._refuse(at, budget, named, world_size)
-        ladder = LADDER if recompute == "auto" else LADDER[1:]
+        ladder = self.ladder if recompute == "auto" else self.ladder[1:]
         found: dict[str, Plan] = {}
         for name in ladder:
             found[name] = self._plan(at, name, world_size)
-            if found[name].total <= budget:
+            if fits(found[name]):
                 break
         else:
             self._refuse(at, budget, found, world_size)
@@ -245,13 +264,15 @@ class Planner:
             return Choice(name, f"recompute not needed: plan {mib(found[name].total)} fits the budget "
                           f"{mib(budget)}", found)
         over = [k for k in ladder if k != name and k in found]  # the faster built-ins: none fits
-        faster = LADDER[LADDER.index(name) - 1]  # the next faster one: over the budget, or off (budget mode: untried)
+        faster = self.ladder[self.ladder.index(name) - 1]  # the next faster one: over the budget, or off (untried)
         refined = self._save_back(at, budget, faster, name, found[name], world_size)
         if refined is not None:
             name, found[name] = refined
         if not over:
             return Choice(name, f"{name} plans {mib(found[name].total)}, within the budget {mib(budget)}", found)
-        figures = ", ".join(f"{k} plans {mib(found[k].total)}" for k in over)
+        figures = ", ".join(f"{k} plans {mib(found[k].total)}" + (
+            f" (host {mib(found[k].host)}, over the host's {mib(host)})" if host is not None and found[k].host > host
+            else "") for k in over)
         return Choice(name, f"{figures}: over the budget {mib(budget)}; {name} plans {mib(found[name].total)}",
                       found)
 
@@ -288,13 +309,14 @@ class Planner:
         return chosen.name, probed[k]
 
     def _refuse(self, at: _Step, budget: int, found: dict[str, Plan], world_size: int) -> None:
-        for name in LADDER:
+        for name in self.ladder:
             found.setdefault(name, self._plan(at, name, world_size))
         smallest = min(found, key=lambda k: found[k].total)
         figures = ", ".join(f"recompute {k}: {mib(p.total)} (graph {mib(p.graph)})" for k, p in found.items())
         fixed = found[smallest].total - found[smallest].graph - found[smallest].cache
+        of = "" if devices.is_host(self.device) else f" of {self.device}"
         raise GateRefused(
-            f"refused: the job needs more than the memory budget {mib(budget)} ({figures}); the smallest plan "
+            f"refused: the job needs more than the memory budget{of} {mib(budget)} ({figures}); the smallest plan "
             f"remat can make is {smallest} at {mib(found[smallest].total)}, of which parameters, grads and "
             f"optimizer take {mib(fixed)}: lower --ctx or --batch, use --recompute {smallest}, or raise "
             "--memory-budget", {k: p.as_dict() for k, p in found.items()})
@@ -307,10 +329,12 @@ class _Step:
     shape: StepShape
     kept: _Shape
     numels: list[int]
+    device: torch.device
 
     def rank(self, p: Plan, world_size: int) -> Plan:
-        """A copy of `p` for one of `world_size` ranks (its share of the optimizer state)."""
-        return rank_share(p, self.numels, world_size) if world_size > 1 else dataclasses.replace(p)
+        """A copy of `p` for one of `world_size` ranks (its share of the optimizer state), on the step's device."""
+        return placed(rank_share(p, self.numels, world_size) if world_size > 1 else dataclasses.replace(p),
+                      self.device)
 
 
 def most_that_fit(saved: list[int], probe: Callable[[int], int], budget: int, start: int) -> int:

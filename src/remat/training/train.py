@@ -18,6 +18,7 @@ from tqdm import tqdm
 
 from remat.base.files import staged
 from remat.base.settings import RematError, TrainSettings, UsageError, percentile
+from remat.core import devices
 from remat.core.graph import StepInputs, TrainGraph
 from remat.core.plan import Measured, measure, preflight, value_bytes
 from remat.core.process import process_peak, resident, return_freed_memory, trim_heap
@@ -49,12 +50,14 @@ class BatchRunner:
                  probes: Probes | None = None):
         self.graph, self.hooks = graph, hooks
         self.tensors = StepInputs.of(model)
+        self.device = next(model.parameters()).device  # the batches go where the step runs
         self.walk = walk.Walk(model, s.batch, s.ctx, s.ubatch, s.walk == "exact", probes) \
             if s.path == "walk" else None
         self.measured: Measured | None = None
         self.chunk_seconds: list[float] = []
 
     def run(self, input_ids: torch.Tensor, labels: torch.Tensor) -> tuple[float, list[torch.Tensor]]:
+        input_ids, labels = input_ids.to(self.device), labels.to(self.device)
         if self.walk is None:
             return self._chunk([input_ids, labels])
         loss, grads = 0.0, list[torch.Tensor]()
@@ -81,6 +84,7 @@ class Receipt:
 
     model: str
     losses: list[float]
+    device: str  # where the step ran: cpu, or the device and its name ("cuda:0 (NVIDIA H100 80GB HBM3)")
     recompute: bool
     policy: str  # what is saved for the backward: off, on, dots, every:K, or a budget's choice
     recompute_reason: str
@@ -173,17 +177,23 @@ def _setup(s: TrainSettings, dp: distributed.Ranks, hooks: Hooks) -> _Run:
     model and data, the gate again on the traced step, the optimizer. Each step refuses what it can first."""
     if s.weights is not None:
         raise UsageError("--weights sizes a plan (`remat plan`); training holds the weights the model stores")
+    device = devices.resolve(s.device)  # a device this machine lacks: refused before anything is read or written
+    s = s.model_copy(update={"device": str(device)})  # every plan and the receipt name the device the step runs on
+    devices.prepare(device)
     return_freed_memory()  # the process peak then follows what is live, as the plan counts it
     runtime = resident()  # the process before the model: the plans' `runtime`; free memory excludes it
-    budget = gate.Budget.of(s.memory_budget, ranks_here=dp.local_world_size)  # before the model takes its share
+    # before the model takes its share
+    budget = gate.Budget.of(s.memory_budget, ranks_here=dp.local_world_size, device=device)
     out, resume, records = _setup_files(s)
     if hooks.on_early_plan is not None:
         _setup_early_gate(s, dp, budget, runtime, hooks.on_early_plan)
         planned_at = resident()  # what planning left in the process (the modules it imported, caches) stays
         budget, runtime = budget.less("what planning left", planned_at - runtime), planned_at
     torch.manual_seed(s.seed)
-    # a preset's weights are fixed: the seed is the run's, not the base's. A LoRA's base stays as stored (quant).
-    loaded = models.load_model(s.model, as_stored=s.lora)
+    # a preset's weights are fixed: the seed is the run's, not the base's. A LoRA's base stays as stored (quant),
+    # on the CPU: the stored kernels are the CPU's, so a device's model is float (dequantized as it loads)
+    loaded = models.load_model(s.model, as_stored=s.lora and devices.is_host(device))
+    torch.nn.Module.to(loaded.model, device)  # the model, so its steps: traced for the device its weights are on
     models.check_ctx(s.ctx, loaded.model.config)
     windows = data.load_windows(records, loaded.tokenizer, s.ctx, s.batch, pack=s.pack)
     s.optimizer_steps(len(windows))  # data too short for --accumulate: refused before tracing
@@ -191,7 +201,8 @@ def _setup(s: TrainSettings, dp: distributed.Ranks, hooks: Hooks) -> _Run:
     dp.seed(s.seed)
     # What loading left beside the weights (the tokenizer, the GGUF reader's residue) is the process's too; a model
     # whose weights are mapped lazily (safetensors) keeps the measure from before it loaded.
-    runtime = max(runtime, resident() - value_bytes([*model.parameters(), *model.buffers()]))
+    runtime = max(runtime, resident() - value_bytes([t for t in (*model.parameters(), *model.buffers())
+                                                     if t.device.type == "cpu"]))
     admitted = _setup_gate(s, dp, model, budget, runtime, hooks)
     params = list(StepInputs.of(model).trainable.values())
     optimizer = dp.optimizer(params, lr=s.learning_rate, weight_decay=0.0)
@@ -257,7 +268,8 @@ def _receipt(run: _Run, losses: list[float], first: int, saved: list[str], elaps
     trained = len(losses) - first
     per_epoch = s.optimizer_steps(len(run.windows))[0]
     return Receipt(
-        model=run.loaded.name, losses=losses, recompute=admitted.policy != "off", policy=admitted.policy,
+        model=run.loaded.name, losses=losses, device=devices.name(torch.device(s.device)),
+        recompute=admitted.policy != "off", policy=admitted.policy,
         recompute_reason=admitted.choice.reason, plan=admitted.plan.as_dict(),
         plans={k: p.as_dict() for k, p in admitted.plans.items()},
         measured=run.runner.measured.as_dict() if run.runner.measured else None,
