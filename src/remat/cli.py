@@ -245,7 +245,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     admitted = gate.admit(s, budget, world_size=args.world_size, planners=gate.Planners(config))
     shown = list(admitted.plans) if gated else ["off", "on"] if which == "both" else [step.policy_name(which)]
     result: dict[str, Any] = {"model": s.model or "default", "ctx": s.ctx, "batch": s.batch, "path": s.path,
-                              "walk": s.walk if s.path == "walk" else None, "loss_chunk": s.loss_chunk,
+                              "walk": s.walk if s.path == "walk" else None, "loss_chunk": admitted.settings.loss_chunk,
                               "lora": s.lora, "world_size": args.world_size, "rank_batch": admitted.settings.batch,
                               "plans": {k: admitted.plans[k].as_dict() for k in shown}}
     if gated:

@@ -134,7 +134,9 @@ class TrainSettings(BaseModel):
         description="what the backward recomputes: off (keep everything), on (keep one l_out mark per layer), "
         "dots (keep matrix products too), every:K (one mark every K layers), budget (the fastest plan within "
         "--memory-budget), auto (off when that fits, else as budget)")
-    loss_chunk: int = Field(256, ge=0, description="tokens per piece of the loss head, 0 = one piece")
+    loss_chunk: int | None = Field(None, ge=0, description="tokens per piece of the loss head, 0 = one piece "
+                                   "(default: from the model's vocabulary, a piece's fp32 logits at most 48 MiB, "
+                                   "16 to 256 tokens)")
     path: Annotated[Literal["window", "walk"], BeforeValidator(lambda v: _renamed(v, "ubatch", "window"))] = Field(
         "window", description="window: one graph per whole window; walk: chunks of --ubatch tokens over a KV cache")
     ubatch: int = Field(256, ge=1, description="walk: tokens per chunk (llama.cpp's n_ubatch)")

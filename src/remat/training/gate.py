@@ -24,6 +24,7 @@ from remat.core.plan import Plan, mib
 from remat.core.process import available_memory
 from remat.models import adapters
 from remat.models import load as models
+from remat.models.hf import causal_lm, loss_chunk_for
 from remat.training.distributed import Ranks
 from remat.training.step import Choice, Planner, StepShape
 
@@ -110,12 +111,21 @@ def admit(s: TrainSettings, budget: Budget, *, world_size: int = 1, planner: Pla
     cache of planning models, by LoRA shape), else by a planning model made here from the model's config. Whether
     the window is within the model's maximum context is the caller's to say (a plan notes it, training refuses).
     """
-    local = Ranks(world_size=world_size, local_world_size=world_size).local(s)
     if planner is None:
-        planner = (planners or Planners(models.load_config(s.model))).planner(s, budget)
+        planners = planners or Planners(models.load_config(s.model))
+        s = settled(s, planners.config)
+        planner = planners.planner(s, budget)
+    else:
+        s = settled(s, causal_lm(planner.model).config)
+    local = Ranks(world_size=world_size, local_world_size=world_size).local(s)
     shape = StepShape.of(local)
     choice = planner.choose(shape, s.recompute, budget.bytes, world_size)
     return Admitted(local, shape, budget, choice, planner, world_size)
+
+
+def settled(s: TrainSettings, config: transformers.PretrainedConfig) -> TrainSettings:
+    """`s` with what it leaves to the model chosen from the model's shape: the loss chunk (`hf.loss_chunk_for`)."""
+    return s if s.loss_chunk is not None else s.model_copy(update={"loss_chunk": loss_chunk_for(config)})
 
 
 def lora_settings(s: TrainSettings) -> adapters.LoraSettings | None:

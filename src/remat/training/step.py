@@ -26,6 +26,7 @@ from remat.core.graph import TrainGraph
 from remat.core.plan import Plan, mib, plan, rank_share
 from remat.core.recompute import Rewriter, keep_reasons, saved_nodes
 from remat.fastplan import pieces, record, stamp
+from remat.models.hf import causal_lm, loss_chunk_for
 from remat.models.hf_cache import Probes
 from remat.models.steps import chunk_step, window_step
 
@@ -38,7 +39,7 @@ class StepShape:
     batch: int
     ctx: int
     ubatch: int | None  # walk: tokens per chunk
-    loss_chunk: int
+    loss_chunk: int | None  # None: the model's (`hf.loss_chunk_for`), settled by the planner
     walk: str | None = None  # walk: "exact" or "truncated"
 
     @classmethod
@@ -106,6 +107,8 @@ class Planner:
     def _at(self, shape: StepShape) -> _Step:
         """The step of this shape, keyed by the shape and the names of the parameters it trains (worked out once
         per call: a walk over every module)."""
+        if shape.loss_chunk is None:
+            shape = dataclasses.replace(shape, loss_chunk=loss_chunk_for(causal_lm(self.model).config))
         trainable = [(n, p) for n, p in self.model.named_parameters() if p.requires_grad]
         kept = self._shapes.setdefault((shape, tuple(n for n, _ in trainable)), _Shape())
         return _Step(shape, kept, [p.numel() for _, p in trainable])
@@ -142,7 +145,7 @@ class Planner:
     def _trace(self, at: _Step) -> TrainGraph:
         shape = at.shape
         if shape.path == "walk":
-            assert shape.ubatch is not None
+            assert shape.ubatch is not None and shape.loss_chunk is not None  # settled by `_at`
             return chunk_step(self.model, shape.batch, shape.ctx, shape.ubatch, loss_chunk=shape.loss_chunk,
                               exact=shape.walk != "truncated", probes=self.probes, recorder=record.record)
         stamper = self._stamper(at)
@@ -151,13 +154,15 @@ class Planner:
     def _traced(self, shape: StepShape) -> TrainGraph:
         """The step traced whole; on fake weights (only planned, never run) with its loss's pieces stamped."""
         ids = torch.zeros(shape.batch, shape.ctx, dtype=torch.long)
+        chunk = shape.loss_chunk
+        assert chunk is not None  # settled by `_at`
 
         def whole() -> TrainGraph:  # two tensors: two inputs
-            return window_step(self.model, ids, ids.clone(), loss_chunk=shape.loss_chunk, recorder=record.record)
+            return window_step(self.model, ids, ids.clone(), loss_chunk=chunk, recorder=record.record)
 
         if self.planning:
             with contextlib.suppress(stamp.NotStampable):
-                return pieces.stamp(whole, shape.ctx, shape.loss_chunk)
+                return pieces.stamp(whole, shape.ctx, chunk)
         return whole()
 
     def _stamper(self, at: _Step) -> stamp.Stamper | None:

@@ -163,7 +163,8 @@ def _train(run: _Run, *, progress: bool) -> Receipt:
         bar.update()
         run.hooks.on_step({"epoch": epoch, "step": len(losses), "loss": step_loss, "steps": total})
         if s.save_every and run.out and len(losses) % s.save_every == 0:
-            saved.append(str(dp.save_checkpoint(run.out, len(losses), trainable, run.optimizer, losses)))
+            saved.append(str(dp.save_checkpoint(run.out, len(losses), trainable, run.optimizer, losses,
+                                                {"loss_chunk": s.loss_chunk})))
     bar.close()
     return _receipt(run, losses, first, saved, time.perf_counter() - start)
 
@@ -175,6 +176,7 @@ def _setup(s: TrainSettings, dp: distributed.Ranks, hooks: Hooks) -> _Run:
     runtime = resident()  # the process before the model: the plans' `runtime`; free memory excludes it
     budget = gate.Budget.of(s.memory_budget, ranks_here=dp.local_world_size)  # before the model takes its share
     out, resume, records = _setup_files(s)
+    s = _settled(s, resume)
     if hooks.on_early_plan is not None:
         _setup_early_gate(s, dp, budget, runtime, hooks.on_early_plan)
         planned_at = resident()  # what planning left in the process (the modules it imported, caches) stays
@@ -193,6 +195,17 @@ def _setup(s: TrainSettings, dp: distributed.Ranks, hooks: Hooks) -> _Run:
     runner = BatchRunner(model, planner.build(admitted.shape, admitted.policy), admitted.settings, hooks,
                          planner.probes)
     return _Run(s, dp, hooks, out, resume, loaded, model, windows, admitted, params, optimizer, runner)
+
+
+def _settled(s: TrainSettings, resume: checkpoints.Checkpoint | None) -> TrainSettings:
+    """What the settings leave to the model (the loss chunk), chosen once, before anything is planned: a resumed
+    run keeps what its checkpoint chose, so it computes the losses it began with; else the model's shape says."""
+    if s.loss_chunk is not None:
+        return s
+    kept = checkpoints.chosen(resume).get("loss_chunk") if resume else None
+    if kept is not None:
+        return s.model_copy(update={"loss_chunk": kept})
+    return gate.settled(s, models.load_config(s.model))
 
 
 def _setup_files(s: TrainSettings) -> tuple[Path | None, checkpoints.Checkpoint | None, data.Records]:
