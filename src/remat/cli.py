@@ -89,7 +89,7 @@ def parser() -> argparse.ArgumentParser:
     f.add_argument("--json", **as_json)
 
     pl = sub.add_parser("plan", help="memory plan from the config alone; allocates nothing")
-    add_fields(pl, TrainSettings, f"{MODEL_OPTIONS} {LORA_OPTIONS} memory_budget", ctx=512)
+    add_fields(pl, TrainSettings, f"{MODEL_OPTIONS} {LORA_OPTIONS} memory_budget optimizer_in_backward", ctx=512)
     pl.add_argument("--recompute", default="both", metavar="POLICY",
                     help="both (off and on, the default), a policy (off, on, dots, every:K), or budget / auto: "
                     "the fastest plan within --memory-budget")
@@ -182,7 +182,7 @@ def table(plans: dict, ran: str | None = None) -> str:
     lines = [f"{'MiB':<10}" + "".join(f"{h:>16}" for h in heads)]
     for cat in cats:
         lines.append(f"{cat:<10}" + "".join(f"{plans[c][cat] / MiB:>16,.1f}" for c in cols))
-    lines.append("total: params + frozen + optimizer + cache + trace + runtime + the larger of step (graph and grads) "
+    lines.append("total: params + frozen + optimizer + trace + runtime + the larger of step (graph and grads) + cache "
                  "and grads + workspace (the optimizer's update)")
     if {"on", "off"} <= set(plans):
         lines.append(f"graph on/off: {plans['on']['graph'] / plans['off']['graph']:.3f}, "
@@ -196,7 +196,7 @@ def cmd_finetune(args: argparse.Namespace) -> int:
 
     def show_plan(gate: dict, heading: str = "") -> None:  # before the first step: what the run will hold at once
         print(f"{heading}budget: {gate['budget_source']}\nrecompute: {gate['policy']} ({gate['recompute_reason']})\n"
-              f"{table(gate['plans'], ran=gate['policy'])}", file=sys.stderr, flush=True)
+              f"{table(gate['plans'], ran=gate['policy'])}\n{gate['optimizer']}", file=sys.stderr, flush=True)
 
     def show_early_plan(gate: dict) -> None:
         show_plan(gate, "planned from the model's config, before its weights load (traced, the step's own memory "
@@ -247,11 +247,12 @@ def cmd_plan(args: argparse.Namespace) -> int:
     result: dict[str, Any] = {"model": s.model or "default", "ctx": s.ctx, "batch": s.batch, "path": s.path,
                               "walk": s.walk if s.path == "walk" else None, "loss_chunk": admitted.settings.loss_chunk,
                               "lora": s.lora, "world_size": args.world_size, "rank_batch": admitted.settings.batch,
+                              "optimizer_in_backward": admitted.settings.optimizer_in_backward,
                               "plans": {k: admitted.plans[k].as_dict() for k in shown}}
     if gated:
         result |= {"policy": admitted.policy, "reason": admitted.choice.reason, "plan": admitted.plan.as_dict(),
                    "budget": admitted.budget.bytes, "budget_source": str(admitted.budget)}
-    human = table(result["plans"])
+    human = table(result["plans"]) + "\n" + admitted.updates_note()
     if args.world_size > 1:
         human = (f"per rank of {args.world_size} processes (batch {admitted.settings.batch} of {s.batch}; "
                  "optimizer state sharded as ZeRO does it):\n") + human

@@ -42,7 +42,7 @@ from torch.fx._lazy_graph_module import _LazyGraphModule
 from remat.core.capture import copied_value
 from remat.core.graph import StepInputs, TrainGraph, copy_node
 from remat.core.marks import LAYER_MARK, MARK_OP
-from remat.core.plan import Order, Plan, Storages, planned, sized_storages, storages_of
+from remat.core.plan import Plan, Storages, planned, sized_storages, storages_of
 from remat.core.policies import Policy, layer_index
 from remat.core.recompute import CLONE_FOR, Rewriter
 from remat.fastplan.picking import NotStampable, Picked, only_layers, pick, qualified_name, signature
@@ -239,29 +239,31 @@ class Stamper:
         return TrainGraph(gm=gm, roles=self._roles_full(), names=self._names_full(), boundary=boundary,
                           info=small.info, workspaces=small.workspaces)
 
-    def plan(self, policy: Policy | None = None) -> Plan:
-        """`plan(rewrite(self.graph(), policy))` (None: `plan(self.graph())`), to the byte, without making the
-        whole graph: the small trace rewritten, then stamped as the planner sees it (`plan.Storages`).
+    def plan(self, policy: Policy | None = None, updates: bool = False) -> Plan:
+        """`plan(rewrite(self.graph(), policy), updates=updates)` (None: `plan(self.graph())`), to the byte, without
+        making the whole graph: the small trace rewritten, then stamped as the planner sees it (`plan.Storages`).
         NotStampable where the rewritten trace does not stamp. Only for a policy that treats every layer alike
         (every:K keeps a layer's mark by its number, so the layer copied does not stand for every other)."""
         if policy is not None:
-            return Stamper(Rewriter(self.small)(policy), self.numbering, self.picked, self.full).plan()
+            return Stamper(Rewriter(self.small)(policy), self.numbering, self.picked, self.full).plan(None, updates)
         inputs = list(zip(self._roles_full(), self._input_values().values()))
-        return planned(inputs, *self.walked, self.small.info)
+        made = self.walked
+        return planned(inputs, made.made_grads(), made.order(updates), self.small.info, updates)
 
     @functools.cached_property
-    def walked(self) -> tuple[int, Order]:
-        """The whole step as the planner sees it: the bytes of the grads it makes, and its node order. Walking
-        it reads every value as `graph` does: the last check that the model stamps (`_read`, `_outputs`)."""
+    def walked(self) -> Storages:
+        """The whole step as the planner sees it: each node's storages and last reader, in order. Walking it reads
+        every value as `graph` does: the last check that the model stamps (`_read`, `_outputs`)."""
         made = Storages(functools.cache(sized_storages), self.small.workspace)
-        places = {name: made.input(("input", name)) for name in self._names_full()}
+        values = self._input_values()
+        places = {name: made.input(("input", name), _nbytes(values[name])) for name in self._names_full()}
         env: dict[tuple[fx.Node, int], int] = {}  # (small node, the model's layer it stands for) -> its position
         copied = [not self.picked.itself(place) for place in range(self.picked.head + 1)]
         for node, layer in self._order():
             read = functools.partial(self._read, layer=layer, reader=node, env=env, places=places)
             env[node, layer] = made.copy(node, read, new=copied[self.seg.place[node][1]])
         made.output(list(self._outputs(self._output(), env)))
-        return made.made_grads(), made.order()
+        return made
 
     def _order(self) -> list[tuple[fx.Node, int]]:
         """Every node of the whole graph (placeholders aside) as (the small node it copies, its layer), in the
@@ -366,6 +368,10 @@ class Stamper:
                     or (any(a in redone for a in c.all_input_nodes) and shares_an_input(node))):
                 c.meta["val"] = copied_value(node, c)
                 redone.add(c)
+
+
+def _nbytes(value: object) -> int:
+    return value.untyped_storage().nbytes() if isinstance(value, torch.Tensor) else 0
 
 
 def shares_an_input(node: fx.Node) -> bool:

@@ -119,9 +119,19 @@ def exact_chunk_loss(model: nn.Module, *inputs: torch.Tensor, names: list[str], 
         state[k].register_hook(into(grad[k]) if k.startswith(KV) else into(grad_start[k], add=False))
     cache = ExactWalkCache(state, offset, input_ids.shape[1])
     loss = _loss(model, cache, n_targets, input_ids, labels, loss_chunk)
-    # later chunks' gradient: at this chunk's own K/V rows of the cache's buffer, and at its end state
-    arriving = [grad[k].index_select(2, cache.positions) if k.startswith(KV) else grad[k] for k in cache.made]
-    return Seeded(loss, tuple(cache.made.values()), tuple(arriving), tuple(state.values()))
+    # later chunks' gradient: at this chunk's own K/V rows of the cache's buffer, read when the layer's backward
+    # reaches them (read at the step's start, every layer's rows were alive through the loss head's backward);
+    # at its end state, the buffer itself
+    for k, made in cache.made.items():
+        if k.startswith(KV):
+            made.register_hook(_arriving(grad[k], cache.positions))
+    ends = [k for k in cache.made if not k.startswith(KV)]
+    return Seeded(loss, tuple(cache.made[k] for k in ends), tuple(grad[k] for k in ends), tuple(state.values()))
+
+
+def _arriving(buffer: torch.Tensor, positions: torch.Tensor):
+    """A gradient hook on a chunk's own K or V rows: what later chunks sent them, added."""
+    return lambda g: g + buffer.index_select(2, positions)
 
 
 def chunk_step(model: nn.Module, batch: int, ctx: int, ubatch: int, *, loss_chunk: int = 0, exact: bool = False,
