@@ -19,14 +19,17 @@ The walk's chunks (docs/architecture.md, "The walk"):
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import linecache
+import math
 import traceback
+from collections.abc import Collection
 from pathlib import Path
 
 import torch
 from torch import nn
-from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicOutputShapeException
+from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicOutputShapeException, FakeTensor
 
 from remat.core import alias
 from remat.core.capture import Recorder, Seeded, into, trace
@@ -124,40 +127,62 @@ def exact_chunk_loss(model: nn.Module, *inputs: torch.Tensor, names: list[str], 
     # at its end state, the buffer itself
     for k, made in cache.made.items():
         if k.startswith(KV):
-            made.register_hook(_arriving(grad[k], cache.positions))
+            made.register_hook(_arriving(grad[k], offset, input_ids.shape[1]))
     ends = [k for k in cache.made if not k.startswith(KV)]
     return Seeded(loss, tuple(cache.made[k] for k in ends), tuple(grad[k] for k in ends), tuple(state.values()))
 
 
-def _arriving(buffer: torch.Tensor, positions: torch.Tensor):
-    """A gradient hook on a chunk's own K or V rows: what later chunks sent them, added."""
-    return lambda g: g + buffer.index_select(2, positions)
+def _arriving(buffer: torch.Tensor, offset: torch.Tensor, chunk: int):
+    """A gradient hook on a chunk's own K or V rows: what later chunks sent them, added. The rows' positions are
+    made here, in the layer's backward, from the offset (not read from the forward's: a node every layer's backward
+    read would not belong to one layer, and a stamped plan splits the step by layer)."""
+    return lambda g: g + buffer.index_select(2, offset + torch.arange(chunk, device=offset.device))
+
+
+def state_layer(name: str) -> int:
+    """The layer a walk state belongs to, by its name (`k.3`, `recurrent.3`, `conv.3.1`, `grad.k.3`, ...)."""
+    return int(name.removeprefix("grad_start.").removeprefix("grad.").split(".")[1])
+
+
+def chunk_inputs(model: nn.Module, shapes: dict[str, tuple[int, ...]], batch: int, ubatch: int,
+                 exact: bool) -> dict[str, tuple[str, torch.Tensor]]:
+    """A walk chunk's step inputs after the model's tensors, by name: (role, an example of its shape, not filled):
+    the states (exact: differentiated, then their gradient buffers and the start states' buffers), offset, target
+    count and batch. A model on fake weights gets fake ones: a plan allocates nothing of the cache's size."""
+    dtype = next(model.parameters()).dtype
+    mode = next((p.fake_mode for p in model.parameters() if isinstance(p, FakeTensor)), None)
+    names = list(shapes)
+    with mode if mode is not None else contextlib.nullcontext():
+        # exact: the cache and start states are differentiated (their gradient leaves the step into the buffers)
+        inputs = {k: ("state", torch.empty(shape, dtype=dtype, requires_grad=exact)) for k, shape in shapes.items()}
+        if exact:
+            inputs |= {f"grad.{k}": ("state", torch.empty(shapes[k], dtype=dtype)) for k in names}
+            inputs |= {f"grad_start.{k}": ("state", torch.empty(shapes[k], dtype=dtype)) for k in carried(names)}
+        return inputs | {
+            "offset": ("input", torch.zeros((), dtype=torch.long)),
+            "n_targets": ("input", torch.ones((), dtype=torch.float32)),
+            "input_ids": ("input", torch.zeros(batch, ubatch, dtype=torch.long)),
+            "labels": ("input", torch.zeros(batch, ubatch, dtype=torch.long)),
+        }
 
 
 def chunk_step(model: nn.Module, batch: int, ctx: int, ubatch: int, *, loss_chunk: int = 0, exact: bool = False,
-               probes: Probes | None = None, recorder: Recorder | None = None) -> TrainGraph:
+               probes: Probes | None = None, recorder: Recorder | None = None,
+               layers: Collection[int] | None = None) -> TrainGraph:
     """Trace one walk chunk's step: placeholders are the model's tensors, the states (and, exact, their
     gradient buffers), offset, target count, batch, then the window's gradient sums (`capture.trace`'s
-    `accumulate`: the chunk adds its grads into them and returns them)."""
+    `accumulate`: the chunk adds its grads into them and returns them). `layers`: the decoder runs only these
+    (a stamped plan's small trace, `fastplan.stamp`): the other layers' states are not its inputs."""
     if ctx % ubatch:
         raise ValueError(f"--ctx {ctx} is not a multiple of --ubatch {ubatch}")
-    shapes = (probes or Probes(model)).state_shapes(batch, ctx)
-    dtype = next(model.parameters()).dtype
+    every = (probes or Probes(model)).state_shapes(batch, ctx)
+    shapes = every if layers is None else {k: v for k, v in every.items() if state_layer(k) in layers}
     names = list(shapes)
-    # exact: the cache and start states are differentiated (their gradient leaves the step into the buffers)
-    inputs = {name: ("state", torch.zeros(shape, dtype=dtype, requires_grad=exact)) for name, shape in shapes.items()}
-    if exact:
-        inputs |= {f"grad.{k}": ("state", torch.zeros(shapes[k], dtype=dtype)) for k in names}
-        inputs |= {f"grad_start.{k}": ("state", torch.zeros(shapes[k], dtype=dtype)) for k in carried(names)}
-    inputs |= {
-        "offset": ("input", torch.zeros((), dtype=torch.long)),
-        "n_targets": ("input", torch.ones((), dtype=torch.float32)),
-        "input_ids": ("input", torch.zeros(batch, ubatch, dtype=torch.long)),
-        "labels": ("input", torch.zeros(batch, ubatch, dtype=torch.long)),
-    }
+    inputs = chunk_inputs(model, shapes, batch, ubatch, exact)
     loss = functools.partial(exact_chunk_loss if exact else chunk_loss, names=names, loss_chunk=loss_chunk)
     # the exact walk keeps every chunk's start state from the forward sweep (the graph sees one of them)
-    starts = ctx // ubatch * sum(inputs[k][1].nbytes for k in carried(names)) if exact else 0
+    itemsize = next(model.parameters()).element_size()
+    starts = ctx // ubatch * sum(math.prod(every[k]) * itemsize for k in carried(list(every))) if exact else 0
     info = {"shape": (batch, ubatch), "ctx": ctx, "path": "walk", "walk": "exact" if exact else "truncated",
             "loss_chunk": loss_chunk, "saved_states": starts}
     try:

@@ -28,7 +28,7 @@ from remat.core.recompute import Rewriter, keep_reasons, saved_nodes
 from remat.fastplan import pieces, record, stamp
 from remat.models.hf import causal_lm, loss_chunk_for
 from remat.models.hf_cache import Probes
-from remat.models.steps import chunk_step, window_step
+from remat.models.steps import chunk_inputs, chunk_step, window_step
 
 
 @dataclass(frozen=True)
@@ -168,13 +168,16 @@ class Planner:
             kept.rewriter, kept.stamper, kept.stamped = None, None, False
 
     def _trace(self, at: _Step) -> TrainGraph:
-        shape = at.shape
-        if shape.path == "walk":
-            assert shape.ubatch is not None and shape.loss_chunk is not None  # settled by `_at`
-            return chunk_step(self.model, shape.batch, shape.ctx, shape.ubatch, loss_chunk=shape.loss_chunk,
-                              exact=shape.walk != "truncated", probes=self.probes, recorder=record.record)
         stamper = self._stamper(at)
-        return stamper.graph() if stamper is not None else self._traced(shape)
+        if stamper is not None:
+            return stamper.graph()
+        return self._chunk(at.shape) if at.shape.path == "walk" else self._traced(at.shape)
+
+    def _chunk(self, shape: StepShape, layers: tuple[int, ...] | None = None) -> TrainGraph:
+        """A walk chunk's step traced whole, or with only `layers` (a stamp's small trace)."""
+        assert shape.ubatch is not None and shape.loss_chunk is not None  # settled by `_at`
+        return chunk_step(self.model, shape.batch, shape.ctx, shape.ubatch, loss_chunk=shape.loss_chunk,
+                          exact=shape.walk != "truncated", probes=self.probes, recorder=record.record, layers=layers)
 
     def _traced(self, shape: StepShape) -> TrainGraph:
         """The step traced whole; on fake weights (only planned, never run) with its loss's pieces stamped."""
@@ -192,13 +195,21 @@ class Planner:
 
     def _stamper(self, at: _Step) -> stamp.Stamper | None:
         """The step of a planning model stamped from a few of its layers' trace (`remat.fastplan.stamp`), made
-        once per shape; None where it is traced whole (a walk; a model whose layers do not stamp)."""
-        kept = at.kept
+        once per shape; None where it is traced whole (a model whose layers do not stamp). A walk's small trace
+        holds its layers' states alone; the whole step's inputs hold every layer's."""
+        kept, shape = at.kept, at.shape
         if not kept.stamped:
             kept.stamped = True
-            if at.shape.path != "walk" and self.planning:
+            if self.planning:
                 with contextlib.suppress(stamp.NotStampable):
-                    kept.stamper = stamp.stamp(self.model, lambda: self._traced(at.shape), self.picked)
+                    if shape.path == "walk":
+                        assert shape.ubatch is not None
+                        states = self.probes.state_shapes(shape.batch, shape.ctx)  # the whole model's: before the cut
+                        inputs = chunk_inputs(self.model, states, shape.batch, shape.ubatch, shape.walk != "truncated")
+                        kept.stamper = stamp.stamp(self.model, lambda layers: self._chunk(shape, layers), self.picked,
+                                                   inputs)
+                    else:
+                        kept.stamper = stamp.stamp(self.model, lambda layers: self._traced(shape), self.picked)
                     self.picked = kept.stamper.picked
         return kept.stamper
 

@@ -249,6 +249,8 @@ def _setup_gate(s: TrainSettings, dp: distributed.Ranks, model: torch.nn.Module,
     code are made first, so the memory they take (`trace`) is measured and counted."""
     planner = Planner(model)
     shape = StepShape.of(dp.local(s))
+    if shape.path == "walk":  # the walk's probes run the model on two tokens: its weights are paged in here (the
+        planner.probes.state_shapes(shape.batch, shape.ctx)  # plan's params), not counted again as the trace
     before = resident()
     for name in ("off", "on"):
         planner.build(shape, name).make_code()
