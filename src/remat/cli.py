@@ -79,6 +79,10 @@ def _positive(text: str) -> int:
     return int(text)
 
 
+def _ctx_or_max(text: str) -> int | str:
+    return "max" if text == "max" else _field_type(TrainSettings, "ctx")(text)  # type: ignore[return-value]
+
+
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="remat", description="Fine-tune language models in less memory.")
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -89,7 +93,11 @@ def parser() -> argparse.ArgumentParser:
     f.add_argument("--json", **as_json)
 
     pl = sub.add_parser("plan", help="memory plan from the config alone; allocates nothing")
-    add_fields(pl, TrainSettings, f"{MODEL_OPTIONS} {LORA_OPTIONS} memory_budget optimizer_in_backward", ctx=512)
+    add_fields(pl, TrainSettings, f"{MODEL_OPTIONS.replace(' ctx ', ' ')} {LORA_OPTIONS} memory_budget "
+               "optimizer_in_backward")
+    pl.add_argument("--ctx", type=_ctx_or_max, default=512, metavar="CTX",
+                    help="tokens per window (default 512), or max: the longest window that fits the budget, on the "
+                    "window path and on the walk (in multiples of --ubatch)")
     pl.add_argument("--recompute", default="both", metavar="POLICY",
                     help="both (off and on, the default), a policy (off, on, dots, every:K), or budget / auto: "
                     "the fastest plan within --memory-budget")
@@ -235,6 +243,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
     from remat.training import gate, step
 
     which = args.recompute
+    if args.ctx == "max":
+        return _plan_longest(args)
     s = settings_from(TrainSettings, args, recompute="auto" if which == "both" else which)
     config = models.load_config(s.model)
     if s.ctx > models.max_ctx(config):  # a plan answers "would it fit"; training there is refused
@@ -259,6 +269,28 @@ def cmd_plan(args: argparse.Namespace) -> int:
     if gated:
         human += f"\nbudget: {admitted.budget}\nchosen: {result['policy']} ({result['reason']})"
     emit(args, result, human)
+    return 0
+
+
+def _plan_longest(args: argparse.Namespace) -> int:
+    """`remat plan --ctx max`: the longest window within the budget on each path, with the gate's plan there."""
+    from remat.models import load as models
+    from remat.training import gate
+    from remat.training.longest import longest, summary
+
+    recompute = "auto" if args.recompute == "both" else args.recompute
+    s = settings_from(TrainSettings, args, ctx=args.ubatch, recompute=recompute)  # each probe sets its own ctx
+    config = models.load_config(s.model)
+    budget = gate.Budget.of(s.memory_budget, ranks_here=args.world_size)
+    answers = longest(s, budget, gate.Planners(config), args.world_size)
+    result = summary(s, budget, answers, models.max_ctx(config), args.world_size)
+    human = [f"longest window within the budget {budget}:", *(f"  {a.line()}" for a in answers)]
+    for a in answers:
+        if a.admitted is not None:
+            human += [f"\n{a.path} at {a.ctx:,} tokens: recompute {a.admitted.policy} ({a.admitted.choice.reason})",
+                      table({k: p.as_dict() for k, p in a.admitted.plans.items()}, ran=a.admitted.policy),
+                      a.admitted.updates_note()]
+    emit(args, result, "\n".join(human))
     return 0
 
 
