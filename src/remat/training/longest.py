@@ -12,7 +12,6 @@ comes with it.
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -81,6 +80,16 @@ def longest(s: TrainSettings, budget: gate.Budget, planners: gate.Planners, worl
 
 def _path(s: TrainSettings, path: str, step: int, limit: int, budget: gate.Budget, planners: gate.Planners,
           world_size: int) -> Longest:
+    """One path's answer. The probes' graphs are kept until it is found (the gate plans the window found again,
+    with the policies the search did not need: from the same small trace), then dropped."""
+    try:
+        return _search_path(s, path, step, limit, budget, planners, world_size)
+    finally:
+        planners.forget_graphs()
+
+
+def _search_path(s: TrainSettings, path: str, step: int, limit: int, budget: gate.Budget, planners: gate.Planners,
+                 world_size: int) -> Longest:
     answer = Longest(path, None, step, limit // step * step)
     if answer.limit < step:
         answer.reason = f"the model's maximum context {limit:,} is below one chunk of {step:,}"
@@ -90,30 +99,29 @@ def _path(s: TrainSettings, path: str, step: int, limit: int, budget: gate.Budge
     def at(ctx: int) -> TrainSettings:
         return gate.settled(s.model_copy(update={"ctx": ctx, "path": path}), planners.config, world_size)
 
-    def smallest(ctx: int, policies: tuple[str, ...] = allowed) -> int:
-        t = at(ctx)
-        planner = planners.planner(t, budget)
-        try:
-            plans = planner.plans(StepShape.of(t), policies, world_size)
-        finally:
-            planners.forget_graphs()  # a probe's graphs: tens of MiB each, never asked again
-        total = min(p.total for p in plans.values())
-        if policies == allowed:
-            answer.probes[ctx] = total
-        return total
+    lead = allowed[0]  # the policy the search plans: the smallest at the last window planned under every one
 
-    # The search plans on and every:4 alone (every:2, between them on every model of many layers, is the slowest
-    # to plan); the window after the one found is planned under every policy allowed, and the search goes on
-    # where one of them fits there.
-    quick = tuple(p for p in allowed if p != "every:2") or allowed
+    def smallest(ctx: int, policies: tuple[str, ...] = allowed) -> int:
+        nonlocal lead
+        t = at(ctx)
+        plans = planners.planner(t, budget).plans(StepShape.of(t), policies, world_size)
+        best = min(plans, key=lambda k: plans[k].total)
+        if policies == allowed:
+            answer.probes[ctx], lead = plans[best].total, best
+        return plans[best].total
+
+    # The search plans one policy a window (the smallest where every one was planned); the window after the one
+    # found (or the first, where none was) is planned under every policy allowed, and where one fits there the
+    # search goes on from it, led by that one.
     found, start = None, min(START, answer.limit) // step * step
     try:
-        while (more := search(functools.partial(smallest, policies=quick), budget.bytes, step, answer.limit,
-                              start)) is not None:
-            found = more
-            if found == answer.limit or smallest(found + step) > budget.bytes:
+        smallest(start)
+        while True:
+            more = search(lambda ctx: smallest(ctx, (lead,)), budget.bytes, step, answer.limit, start)
+            found = more or found
+            if more == answer.limit or smallest(step if more is None else more + step) > budget.bytes:
                 break
-            quick, start = allowed, found + step
+            start = step if more is None else more + step
     except (UnsupportedModel, GateRefused, UsageError) as e:
         answer.reason = f"cannot run: {e}"
         return answer
@@ -122,7 +130,6 @@ def _path(s: TrainSettings, path: str, step: int, limit: int, budget: gate.Budge
         return answer
     answer.ctx, answer.next_total = found, answer.probes.get(found + step)
     answer.admitted = gate.admit(at(found), budget, world_size=world_size, planners=planners)
-    planners.forget_graphs()
     return answer
 
 
@@ -162,12 +169,42 @@ def search(total: Callable[[int], int], budget: int, step: int, limit: int, star
 
 
 def _line(seen: dict[int, int], budget: int, step: int, limit: int) -> int:
-    """Where the line through the two probes nearest the budget meets it, in multiples of `step`."""
+    """Where the line through the two probes nearest the budget meets it (the curve through three, once there are
+    three that grow with the window), in multiples of `step`."""
+    curve = _curve(seen, budget)
+    if curve is not None:
+        return max(step, min(limit, int(curve // step * step)))
     near = sorted(seen, key=lambda c: abs(seen[c] - budget))[:2]
-    if len(near) < 2:  # one probe: double or halve the window
-        return min(limit, 2 * near[0]) if seen[near[0]] <= budget else max(step, near[0] // 2 // step * step)
+    if len(near) < 2:  # one probe: the window in proportion (the plan grows with it; what does not, the weights,
+        c = near[0]  # makes this short of the answer where the probe fits, and a line follows)
+        return max(step, min(limit, int(c * budget / seen[c]) // step * step))
     (a, pa), (b, pb) = sorted((c, seen[c]) for c in near)
     slope = (pb - pa) / (b - a) if pb != pa else 0.0
     if slope <= 0:  # flat: the budget is not met between them; the bracket's end will be tried
         return limit if pa <= budget else step
     return int((a + (budget - pa) / slope) // step * step)
+
+
+def _curve(seen: dict[int, int], budget: int) -> float | None:
+    """Where the curve through the three probes nearest the budget meets it: the plan as a quadratic of the window
+    (a window's plan has a part that grows with its square, the mask, and a walk's none: on a line, this is the
+    line's answer), its root between the first and last of them or past them on the side the budget is. None with
+    fewer than three, three not growing, or no root."""
+    near = sorted(sorted(seen, key=lambda c: abs(seen[c] - budget))[:3])
+    if len(near) < 3:
+        return None
+    (a, pa), (b, pb), (c, pc) = ((x, seen[x]) for x in near)
+    if not pa < pb < pc:
+        return None
+    ab, bc = (pb - pa) / (b - a), (pc - pb) / (c - b)
+    curv = (bc - ab) / (c - a)  # y = pa + ab (x - a) + curv (x - a)(x - b)
+    # curv x^2 + (ab - curv (a + b)) x + (pa - ab a + curv a b - budget) = 0
+    qa, qb, qc = curv, ab - curv * (a + b), pa - ab * a + curv * a * b - budget
+    if abs(qa) < 1e-12:
+        return -qc / qb if qb > 0 else None
+    disc = qb * qb - 4 * qa * qc
+    if disc < 0:
+        return None
+    roots = [(-qb + s * disc ** 0.5) / (2 * qa) for s in (1, -1)]
+    rising = [r for r in roots if 2 * qa * r + qb > 0]  # where the plan grows with the window
+    return rising[0] if rising else None
