@@ -77,6 +77,15 @@ def test_the_command_line_answers_with_both_paths(capsys):
     assert window["optimizer"].startswith("optimizer: in the backward")
 
 
+
+@pytest.mark.parametrize("bad", ["0", "maximum", "-1"])
+def test_a_bad_ctx_is_a_usage_error_that_names_max(capsys, bad):
+    with pytest.raises(SystemExit) as e:
+        cli.main(["plan", "--ctx", bad])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "argument --ctx" in err and err.rstrip().endswith("or max"), err
+
+
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     from serve_process import Server

@@ -80,7 +80,13 @@ def _positive(text: str) -> int:
 
 
 def _ctx_or_max(text: str) -> int | str:
-    return "max" if text == "max" else _field_type(TrainSettings, "ctx")(text)  # type: ignore[return-value]
+    """`remat plan --ctx`: a window, or max (the longest within the budget)."""
+    if text == "max":
+        return text
+    try:
+        return _field_type(TrainSettings, "ctx")(text)  # type: ignore[return-value]
+    except argparse.ArgumentTypeError as e:
+        raise argparse.ArgumentTypeError(f"{e}, or max") from None
 
 
 def parser() -> argparse.ArgumentParser:
