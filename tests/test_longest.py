@@ -86,6 +86,20 @@ def test_a_bad_ctx_is_a_usage_error_that_names_max(capsys, bad):
     assert e.value.code == 2 and "argument --ctx" in err and err.rstrip().endswith("or max"), err
 
 
+
+def test_the_document_says_plan_takes_max_and_train_does_not():
+    from remat.serve.app import create_app
+
+    doc = create_app(model="tiny-llama").openapi()
+    schemas, plan = doc["components"]["schemas"], doc["paths"]["/train/plan"]["post"]
+    assert {"const": "max", "type": "string"} in schemas["PlanRequest"]["properties"]["ctx"]["anyOf"]
+    assert "max" not in json.dumps(schemas["TrainRequest"]["properties"]["ctx"])
+    assert plan["requestBody"]["content"]["application/json"]["schema"]["$ref"].endswith("/PlanRequest")
+    answers = plan["responses"]["200"]["content"]["application/json"]["schema"]["anyOf"]
+    assert [a["$ref"].rsplit("/", 1)[1] for a in answers] == ["Plan", "Longest"]
+    assert set(schemas["Longest"]["required"]) == {"ctx", "budget", "max_ctx", "paths"}
+
+
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     from serve_process import Server
@@ -115,3 +129,11 @@ def test_the_server_answers_as_the_command_line(server, capsys):
         assert status == 400 and "ctx" in out["error"]["message"], (bad, out)
     status, out = server.request("POST", "/train", job)
     assert status == 400 and "ctx" in out["error"]["message"], out
+
+
+def test_the_command_line_says_when_the_models_maximum_is_the_limit(capsys):
+    assert cli.main(["plan", "--model", "tiny-llama", "--ctx", "max", "--memory-budget", "1GiB", "--full"]) == 0
+    out = capsys.readouterr().out
+    for path in ("window", "walk"):
+        assert f"  {path}: 2,048 tokens (recompute " in out and f"\n{path} at 2,048 tokens: recompute " in out, out
+    assert out.count("the model's maximum context") == 2 and "would plan" not in out, out
