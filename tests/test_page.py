@@ -331,6 +331,33 @@ def test_budget_field_refusal_shows_its_figures(page, server):
     p.fill("#t-budget-input", "")
 
 
+def test_longest_ctx_shows_each_paths_window(page, server):
+    """"Longest ctx" asks POST /train/plan with ctx "max" for the form's job and shows each path's window, policy
+    and plans as the server answers them; "Use ctx" puts the window's into the form."""
+    page.tab("train")
+    p = page.page
+    p.set_input_files("#t-file", files=[])
+    p.fill("#t-data", records_jsonl(2))
+    p.fill("#t-ctx", "32")
+    p.fill("#t-rank", "0")
+    p.fill("#t-budget-input", "4MiB")
+    p.click("#t-longest")
+    p.wait_for_selector("#t-longest:not([disabled])", timeout=120_000)
+    text = p.wait_for_selector("#plan .longest[data-path=walk]", timeout=120_000) and p.inner_text("#plan")
+    answer = p.evaluate("window.__remat.planned")
+    expected = server.ok("POST", "/train/plan", {"data": [{"text": CAT * 6}] * 2, "ctx": "max", "lora": False,
+                                                 "memory_budget": "4MiB", "recompute": "auto"})
+    assert answer == expected
+    window = answer["paths"]["window"]
+    assert 0 < window["ctx"] < answer["max_ctx"] and f"window: {window['ctx']:,} tokens" in text, text
+    assert f"policy {window['policy']}" in text and "Longest ctx" in text
+    assert p.locator("#plan .longest[data-path=window] .plan-row.chosen").count() == 1
+    p.click("#plan .use-ctx")
+    assert p.input_value("#t-ctx") == str(window["ctx"])
+    for field in ("#t-rank", "#t-budget-input"):
+        p.fill(field, "")
+
+
 def test_reconnect_cancel_and_resume(page, server):
     # sized by steps (epochs only high enough not to cap them): it cannot end before the test cancels it
     job = server.request("POST", "/train", {"data": [{"text": CAT * 6}], "ctx": 32, "epochs": 100_000,

@@ -113,7 +113,7 @@ def test_stamped_step_is_the_whole_trace(name):
 
     stamper = None
     try:
-        stamper = stamp.stamp(model, small)
+        stamper = stamp.stamp(model, lambda _layers: small())
         stamped = stamper.graph()
     except UnsupportedModel as e:  # refused for the window path as a whole (the matrix asserts it)
         pytest.skip(str(e))
@@ -208,6 +208,32 @@ def test_a_planning_models_plans_are_stamped_without_its_graph(monkeypatch, lora
     every = planner.plans(shape, ("every:2",))
     assert len(graphs) == 1
     monkeypatch.undo()
-    assert stamped == {k: plan(planner.build(shape, k)) for k in stamped}
-    assert every["every:2"] == plan(planner.build(shape, "every:2"))
+    # full fine-tuning: the optimizer in the backward (`shape.updates`), planned so on both sides
+    assert stamped == {k: plan(planner.build(shape, k), updates=shape.updates) for k in stamped}
+    assert every["every:2"] == plan(planner.build(shape, "every:2"), updates=shape.updates)
     assert stamped["on"].graph < stamped["off"].graph  # the rewrite was planned, not the step again
+
+
+WALKERS = ("llama", "mistral", "qwen3_5_text", "bamba", "lfm2")  # attention, sliding, delta-net, Mamba-2, conv
+
+
+@pytest.mark.parametrize("walk", ["exact", "truncated"])
+@pytest.mark.parametrize("name", WALKERS)
+def test_a_stamped_walk_chunk_is_the_whole_trace(name, walk):
+    """A walk chunk's step stamped from a few layers (their states alone the small trace's inputs; every layer's
+    the whole step's, each layer's renumbered to its own) is the chunk traced whole, node for node, with the same
+    inputs; its plans off and on too, to the byte."""
+    model = _planning_model(name)
+    try:
+        planner = step.Planner(model)
+        shape = step.StepShape("walk", C.BATCH, 2 * C.SEQ, C.SEQ // 2, LOSS_CHUNK, walk)
+        stamped = planner.build(shape, "off")
+    except UnsupportedModel as e:  # the walk refuses the family (the matrix asserts it)
+        pytest.skip(str(e))
+    assert planner._at(shape).kept.stamper is not None, f"{name}'s walk is traced whole"
+    whole = step.Planner(model)
+    whole.planning = False  # traced whole, every layer
+    full = whole.build(shape, "off")
+    assert _described(stamped) == _described(full)
+    assert stamped.names == full.names and stamped.roles == full.roles
+    assert planner.plans(shape) == whole.plans(shape)

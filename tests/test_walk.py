@@ -447,14 +447,16 @@ def test_exact_walk_plans_its_buffers_and_graph(name):
     tg = rewrite(steps.chunk_step(model, BATCH, CTX, UBATCH, exact=True))
     ids, labels = random_window(model.config.vocab_size, BATCH, CTX, seed=7)
     w = walk.Walk(model, BATCH, CTX, UBATCH, exact=True)
-    starts = w.forward_sweep(ids, lambda: None)
-    held = [*w.state.values(), *w.grad.values(), *w.grad_start.values(), *(t for s in starts for t in s.values())]
+    chunks = w.chunks(ids, labels, lambda: None)
+    inputs = next(chunks)  # after the forward sweep: the cache, its gradient buffers, the start states
+    held = [*w.state.values(), *w.grad.values(), *w.grad_start.values(), *(t for s in w.starts for t in s.values())]
     assert plan(tg).cache == sum(t.untyped_storage().nbytes() for t in held) > 0
-    assert len(starts) == CTX // UBATCH
-    inputs = next(iter(w.chunks(ids, labels, lambda: None)))
+    assert len(w.starts) == CTX // UBATCH
     with torch.no_grad():
         _, measured = measure(tg, StepInputs.of(model).args(*inputs))
     assert measured.graph == plan(tg).graph > 0
+    chunks.close()  # the window is over (here, early): its buffers go before the optimizer's update
+    assert (w.state, w.grad, w.grad_start, w.starts) == ({}, {}, {}, [])
 
 
 def test_finetune_says_which_walk_ran():

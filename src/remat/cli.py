@@ -89,6 +89,16 @@ def _positive(text: str) -> int:
     return int(text)
 
 
+def _ctx_or_max(text: str) -> int | str:
+    """`remat plan --ctx`: a window, or max (the longest within the budget)."""
+    if text == "max":
+        return text
+    try:
+        return _field_type(TrainSettings, "ctx")(text)  # type: ignore[return-value]
+    except argparse.ArgumentTypeError as e:
+        raise argparse.ArgumentTypeError(f"{e}, or max") from None
+
+
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="remat", description="Fine-tune language models in less memory.")
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -99,7 +109,11 @@ def parser() -> argparse.ArgumentParser:
     f.add_argument("--json", **as_json)
 
     pl = sub.add_parser("plan", help="memory plan from the config alone; allocates nothing")
-    add_fields(pl, TrainSettings, f"{MODEL_OPTIONS} {LORA_OPTIONS} memory_budget weights device", ctx=512)
+    add_fields(pl, TrainSettings, f"{MODEL_OPTIONS.replace(' ctx ', ' ')} {LORA_OPTIONS} memory_budget weights device "
+               "optimizer_in_backward")
+    pl.add_argument("--ctx", type=_ctx_or_max, default=512, metavar="CTX",
+                    help="tokens per window (default 512), or max: the longest window that fits the budget, on the "
+                    "window path and on the walk (in multiples of --ubatch)")
     pl.add_argument("--recompute", default="both", metavar="POLICY",
                     help="both (off and on, the default), a policy (off, on, dots, offload, every:K), or budget / "
                     "auto: the fastest plan within --memory-budget")
@@ -198,11 +212,11 @@ def table(plans: dict, ran: str | None = None) -> str:
     for cat in cats:
         lines.append(f"{cat:<10}" + "".join(f"{plans[c][cat] / MiB:>16,.1f}" for c in cols))
     if device is None:
-        lines.append("total: params + frozen + optimizer + cache + trace + runtime + the larger of step (graph and "
-                     "grads) and grads + workspace (the optimizer's update)")
+        lines.append("total: params + frozen + optimizer + trace + runtime + the larger of step (graph and grads) + "
+                     "cache and grads + workspace (the optimizer's update)")
     else:
-        lines.append(f"total: {device}'s memory: params + frozen + optimizer + cache + the larger of step (graph and "
-                     "grads) and grads + workspace; host: runtime + trace + offload (checkpoints in pinned memory)")
+        lines.append(f"total: {device}'s memory: params + frozen + optimizer + the larger of step (graph and grads) "
+                     "+ cache and grads + workspace; host: runtime + trace + offload (checkpoints in pinned memory)")
     if {"on", "off"} <= set(plans):
         lines.append(f"graph on/off: {plans['on']['graph'] / plans['off']['graph']:.3f}, "
                      f"total on/off: {plans['on']['total'] / plans['off']['total']:.3f}")
@@ -215,7 +229,7 @@ def cmd_finetune(args: argparse.Namespace) -> int:
 
     def show_plan(gate: dict, heading: str = "") -> None:  # before the first step: what the run will hold at once
         print(f"{heading}budget: {gate['budget_source']}\nrecompute: {gate['policy']} ({gate['recompute_reason']})\n"
-              f"{table(gate['plans'], ran=gate['policy'])}", file=sys.stderr, flush=True)
+              f"{table(gate['plans'], ran=gate['policy'])}\n{gate['optimizer']}", file=sys.stderr, flush=True)
 
     def show_early_plan(gate: dict) -> None:
         show_plan(gate, "planned from the model's config, before its weights load (traced, the step's own memory "
@@ -255,6 +269,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
     from remat.training import gate, step
 
     which = args.recompute
+    if args.ctx == "max":
+        return _plan_longest(args)
     s = settings_from(TrainSettings, args, recompute="auto" if which == "both" else which)
     config = models.load_config(s.model)
     if s.ctx > models.max_ctx(config):  # a plan answers "would it fit"; training there is refused
@@ -267,21 +283,44 @@ def cmd_plan(args: argparse.Namespace) -> int:
     admitted = gate.admit(s, budget, world_size=args.world_size, planners=gate.Planners(config))
     shown = list(admitted.plans) if gated else ["off", "on"] if which == "both" else [step.policy_name(which)]
     result: dict[str, Any] = {"model": s.model or "default", "ctx": s.ctx, "batch": s.batch, "path": s.path,
-                              "walk": s.walk if s.path == "walk" else None, "loss_chunk": s.loss_chunk,
+                              "walk": s.walk if s.path == "walk" else None, "loss_chunk": admitted.settings.loss_chunk,
                               "lora": s.lora, "device": str(device), "world_size": args.world_size,
-                              "rank_batch": admitted.settings.batch,
-                              "weights": s.weights,
+                              "rank_batch": admitted.settings.batch, "weights": s.weights,
+                              "optimizer_in_backward": admitted.settings.optimizer_in_backward,
                               "plans": {k: admitted.plans[k].as_dict() for k in shown}}
     if gated:
         result |= {"policy": admitted.policy, "reason": admitted.choice.reason, "plan": admitted.plan.as_dict(),
                    "budget": admitted.budget.bytes, "budget_source": str(admitted.budget)}
-    human = table(result["plans"])
+    human = table(result["plans"]) + "\n" + admitted.updates_note()
     if args.world_size > 1:
         human = (f"per rank of {args.world_size} processes (batch {admitted.settings.batch} of {s.batch}; "
                  "optimizer state sharded as ZeRO does it):\n") + human
     if gated:
         human += f"\nbudget: {admitted.budget}\nchosen: {result['policy']} ({result['reason']})"
     emit(args, result, human)
+    return 0
+
+
+def _plan_longest(args: argparse.Namespace) -> int:
+    """`remat plan --ctx max`: the longest window within the budget on each path, with the gate's plan there."""
+    from remat.core import devices
+    from remat.models import load as models
+    from remat.training import gate
+    from remat.training.longest import longest, summary
+
+    recompute = "auto" if args.recompute == "both" else args.recompute
+    s = settings_from(TrainSettings, args, ctx=args.ubatch, recompute=recompute)  # each probe sets its own ctx
+    config = models.load_config(s.model)
+    budget = gate.Budget.of(s.memory_budget, ranks_here=args.world_size, device=devices.planned(s.device))
+    answers = longest(s, budget, gate.Planners(config), args.world_size)
+    result = summary(s, budget, answers, models.max_ctx(config), args.world_size)
+    human = [f"longest window within the budget {budget}:", *(f"  {a.line()}" for a in answers)]
+    for a in answers:
+        if a.admitted is not None:
+            human += [f"\n{a.path} at {a.ctx:,} tokens: recompute {a.admitted.policy} ({a.admitted.choice.reason})",
+                      table({k: p.as_dict() for k, p in a.admitted.plans.items()}, ran=a.admitted.policy),
+                      a.admitted.updates_note()]
+    emit(args, result, "\n".join(human))
     return 0
 
 

@@ -143,7 +143,9 @@ class TrainSettings(BaseModel):
         "dots (keep matrix products too), offload (on a GPU: on, the marks kept in host memory), every:K (one "
         "mark every K layers), budget (the fastest plan within --memory-budget), auto (off when that fits, else "
         "as budget)")
-    loss_chunk: int = Field(256, ge=0, description="tokens per piece of the loss head, 0 = one piece")
+    loss_chunk: int | None = Field(None, ge=0, description="tokens per piece of the loss head, 0 = one piece "
+                                   "(default: from the model's vocabulary, a piece's fp32 logits at most 48 MiB, "
+                                   "16 to 256 tokens)")
     path: Annotated[Literal["window", "walk"], BeforeValidator(lambda v: _renamed(v, "ubatch", "window"))] = Field(
         "window", description="window: one graph per whole window; walk: chunks of --ubatch tokens over a KV cache")
     ubatch: int = Field(256, ge=1, description="walk: tokens per chunk (llama.cpp's n_ubatch)")
@@ -152,6 +154,10 @@ class TrainSettings(BaseModel):
         "the chunks' steps run in reverse); truncated treats earlier chunks' cache and state as constants (the "
         "reference's cost, not the window's gradient)")
     accumulate: int = Field(1, ge=1, description="windows per optimizer step")
+    optimizer_in_backward: Literal["auto", "on", "off"] = Field(
+        "auto", description="apply each parameter's AdamW update the moment its gradient is complete, inside the "
+        "backward, so the gradients never all exist at once (auto: on for full fine-tuning where it changes nothing "
+        "but memory: one window per step on the window path in one process; off otherwise)")
     pack: Annotated[bool, Cli(action="store_true")] = Field(
         False, description="concatenate documents into windows (default: one document per window, padded)")
     memory_budget: MemorySize | None = Field(None, description="e.g. 2GiB (default: free memory of the device)")

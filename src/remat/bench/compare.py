@@ -50,6 +50,7 @@ from remat.bench.common import (
 from remat.core.process import return_freed_memory
 from remat.models import adapters
 from remat.models import load as models
+from remat.training import gate
 
 VARIANTS = ("remat_off", "remat_on", "torch_checkpoint", "eager")
 WALK_VARIANTS = ("remat_on_truncated", "remat_on_window")  # the walk path's two more
@@ -74,7 +75,7 @@ def _max_abs_diff(a: list[float], b: list[float]) -> float:
 
 
 def run_bench(model: str | None, ctx: int, batch: int = 1, steps: int = 3, path: str = "window",
-              ubatch: int = 256, loss_chunk: int = TrainSettings.model_fields["loss_chunk"].default,
+              ubatch: int = 256, loss_chunk: int | None = None,
               out: str | Path | None = None, lr: float = 1e-4, *, walk: str = "exact", lora: bool = False,
               seed: int = 0, progress: bool = True) -> dict:
     """Train the variants side by side for `steps` steps; write bench.json/.md/.png into `out`.
@@ -94,6 +95,7 @@ def run_bench(model: str | None, ctx: int, batch: int = 1, steps: int = 3, path:
     return_freed_memory()  # as the trainer does: the process peaks follow what is live
     loaded = models.load_model(model, seed=seed, as_stored=lora)  # full fine-tuning trains float32 weights
     models.check_ctx(ctx, loaded.model.config)
+    s = gate.settled(s, loaded.model.config)  # the loss chunk the trainer would choose
     variants = _variants(loaded.model.to(device), s)  # type: ignore[arg-type]  # transformers types .to oddly
     data = [tuple(t.to(device) for t in b) for b in random_batches(loaded.model.config.vocab_size, batch, ctx,
                                                                     steps, seed)]

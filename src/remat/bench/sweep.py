@@ -57,6 +57,7 @@ from remat.core.plan import Plan
 from remat.models import adapters
 from remat.models import load as models
 from remat.models.hf import causal_lm_loss, prepare
+from remat.training import gate
 from remat.training.step import Planner, StepShape, policy_name
 
 NAMED = ("off", "dots", "layer", "every:2", "every:4")
@@ -266,7 +267,7 @@ def _models(model: str | None, ctx: int, lora: bool, seed: int,
 
 
 def run_sweep(model: str | None, ctx: int, batch: int = 1, steps: int = 3,
-              loss_chunk: int = TrainSettings.model_fields["loss_chunk"].default, out: str | Path | None = None,
+              loss_chunk: int | None = None, out: str | Path | None = None,
               *, lora: bool = False, seed: int = 0, budget_points_n: int = BUDGET_POINTS,
               progress: bool = True) -> dict:
     """Plan, run the variants interleaved for `steps` rounds (the first the warm-up), summarize, write."""
@@ -280,6 +281,9 @@ def run_sweep(model: str | None, ctx: int, batch: int = 1, steps: int = 3,
             print(f"sweep: {text}", file=sys.stderr, flush=True)
 
     loaded, base, ckpt = _models(model, ctx, lora, seed, device)
+    s = gate.settled(s, loaded.model.config)  # the loss chunk the trainer would choose
+    loss_chunk = s.loss_chunk
+    assert loss_chunk is not None
     vocab = loaded.model.config.vocab_size
     data = [(ids.to(device), labels.to(device)) for ids, labels in random_batches(vocab, batch, ctx, steps, seed)]
     with contextlib.nullcontext() if device.type == "cpu" else torch.device(device):

@@ -21,6 +21,7 @@ from torch.fx.experimental.proxy_tensor import get_proxy_mode, make_fx
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
+from remat.core import tied
 from remat.core.graph import StepInputs, TrainGraph, Workspaces, laid_out_on, tensors_in
 
 
@@ -63,16 +64,20 @@ def trace(model: nn.Module, loss_fn, inputs: dict[str, tuple[str, torch.Tensor]]
     def step(*args: torch.Tensor):
         sums = args[n_model + n_in:]
         # each parameter's gradient goes into its sum as soon as it is made; the hooks go with the step (a
-        # fake model's parameters are the step's inputs themselves, and the next trace must not find them)
+        # fake model's parameters are the step's inputs themselves, and the next trace must not find them);
+        # a tied one's, use by use (`tied.each_use`)
         hooks = [p.register_hook(into(g)) for p, g in zip(args[:n_train], sums)]
         try:
-            state = {f"model.{k}": v for k, v in zip(model_names, args[:n_model])}
-            out = torch.func.functional_call(_LossModule(model, loss_fn), state, args[n_model:n_model + n_in])
+            with tied.each_use(model, {k: into(g) for k, g in zip(tensors.trainable, sums)}) as uses:
+                state = {f"model.{k}": v for k, v in zip(model_names, args[:n_model])}
+                out = torch.func.functional_call(_LossModule(model, loss_fn), state, args[n_model:n_model + n_in])
             seeded = out if isinstance(out, Seeded) else Seeded(out)
             boundary.append(_last_node())  # the forward's last node
-            grads = torch.autograd.grad([seeded.loss, *seeded.outputs], [*args[:n_train], *seeded.sinks],
+            # with sums, the grads returned are not read: a parameter whose every use was a leaf of its own gets
+            # none, and zeros made for it would be a parameter's size for nothing
+            grads = torch.autograd.grad([seeded.loss, *seeded.outputs], [*args[:n_train], *seeded.sinks, *uses],
                                         grad_outputs=[None, *seeded.cotangents], allow_unused=True,
-                                        materialize_grads=True)
+                                        materialize_grads=not uses)
         finally:
             for hook in hooks:
                 hook.remove()
@@ -84,8 +89,7 @@ def trace(model: nn.Module, loss_fn, inputs: dict[str, tuple[str, torch.Tensor]]
         gm = _recorded(recorder, step, example) if planned_only and recorder is not None else None
         if gm is None:
             del boundary[:]
-            # The torch-function metadata mode only names each node's torch call in its meta (read by nothing
-            # here), and intercepting every call cost 7 % of a trace.
+            # no torch-function metadata mode: it only names each node's torch call in its meta (read by nothing)
             gm = make_fx(step, _disable_torch_fn_metadata_mode=True)(*example)
     sum_in_place(gm, boundary[0])
     return TrainGraph(gm=gm, roles=roles, names=[*model_names, *inputs, *sum_names], boundary=boundary[0],

@@ -163,7 +163,10 @@ def interpret(gm: fx.GraphModule, args: list, *, on_node=None, on_free=None,
             return list(fx.node.map_arg(n.args[0], env.__getitem__))
         else:
             a, kw = fx.node.map_arg((n.args, n.kwargs), env.__getitem__)
-            env[n] = getattr(gm, n.target) if n.op == "get_attr" else n.target(*a, **kw)
+            if n.op == "call_module":
+                env[n] = gm.get_submodule(n.target)(*a, **kw)
+            else:
+                env[n] = getattr(gm, n.target) if n.op == "get_attr" else n.target(*a, **kw)
         if on_node is not None:
             on_node(n, env[n], env)
         if not n.users and n not in keep:

@@ -9,7 +9,8 @@ categories, never in `graph`; `step` is the peak of graph bytes and grads togeth
 are made during the backward, after the graph's peak when recompute is off).
 
 The total is what the process holds at its peak: the resident categories plus the larger of
-the step (`step`) and the optimizer's update (`grads` + `workspace`), which never overlap.
+the step with the walk's cache (`step` + `cache`) and the optimizer's update (`grads` + `workspace`), which
+never overlap (the walk gives its cache back before the update).
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from remat.base.settings import GateRefused, MiB
 from remat.core import devices
 from remat.core.graph import TrainGraph, interpret, tensors_in
+from remat.core.updates import ADAMW_TEMPORARIES, update_points
 
 HOST = "remat_host"  # node meta: the value lives in host memory beside a device's step (`remat.core.offload`)
 
@@ -39,7 +41,8 @@ class Plan:
     grads: int
     optimizer: int  # AdamW: two fp32 states per trainable element (per rank: its ZeRO share)
     graph: int  # peak of graph-allocated tensors during forward + backward
-    cache: int = 0  # walk path: KV cache and carried states (exact: their gradient buffers, every chunk's start state)
+    cache: int = 0  # walk path: KV cache and carried states (exact: their gradient buffers, every chunk's start
+    # state), held while the window's chunks run and given back before the optimizer's update
     step: int = 0  # peak of graph-allocated tensors and the grads made by then, together
     workspace: int = 0  # the optimizer's update: AdamW's temporaries, three of its largest parameter (measured)
     trace: int = 0  # the traced graphs and their metadata: the process's growth while tracing (measured)
@@ -50,11 +53,12 @@ class Plan:
     @property
     def total(self) -> int:
         """The peak of the memory the step runs in: on the CPU the process's (runtime and trace are in it), on a
-        device the device's (they are host memory, with the offloaded checkpoints: `host`)."""
-        resident = self.params + self.frozen + self.optimizer + self.cache
+        device the device's (they are host memory, with the offloaded checkpoints: `host`). The walk's cache is
+        not held through the optimizer's update."""
+        resident = self.params + self.frozen + self.optimizer
         if self.device == "cpu":
             resident += self.trace + self.runtime
-        return resident + max(self.step, self.grads + self.workspace)
+        return resident + max(self.step + self.cache, self.grads + self.workspace)
 
     @property
     def host(self) -> int:
@@ -71,9 +75,8 @@ class Plan:
         return d
 
 
-
-
 Lives = dict[Hashable, tuple[int, int, int]]  # storage -> (position of its maker, bytes, position it is freed after)
+
 
 def value_bytes(value: object) -> int:
     """The bytes of the storages a value holds, each once."""
@@ -164,16 +167,44 @@ def lives(held: Sequence[Sequence[tuple[Hashable, int]]], last_read: Sequence[in
     return life
 
 
-def _lifetimes(tg: TrainGraph) -> tuple[list[fx.Node], Lives, set]:
-    """The graph's node order, its storages' lives (`lives`), and which of them are the step's outputs."""
+def in_backward(order: Order, held: Sequence[Sequence[tuple[Hashable, int]]], before_output: Sequence[int],
+                grads: Sequence[int], params: Sequence[int]) -> Order:
+    """`order` with the optimizer in the backward: an update after each position `updates.update_points` names
+    (a position of its own between two nodes: what the node there read last is freed first, as the graph that runs
+    frees it), holding AdamW's temporaries of its parameter, and each gradient's storages given back after it.
+    `held`, `before_output`: the order's storages and last readers (the step's output aside); `grads`, `params`:
+    each trainable's gradient and placeholder positions."""
+    count, life, outputs = order
+    twice: Lives = {s: (2 * maker, size, 2 * end) for s, (maker, size, end) in life.items()}
+    ends: dict[Hashable, int] = {}
+    for k, (g, p, at) in enumerate(zip(grads, params, update_points(held, before_output, grads, params))):
+        for s, _ in held[g]:
+            ends[s] = max(ends.get(s, 0), 2 * at + 1)
+        twice["update", k] = (2 * at + 1, ADAMW_TEMPORARIES * sum(size for _, size in held[p]), 2 * at + 1)
+    for s, end in ends.items():
+        if s in twice:
+            twice[s] = (*twice[s][:2], end)
+    return 2 * count, twice, outputs
+
+
+def _lifetimes(tg: TrainGraph, updates: bool = False) -> tuple[list[fx.Node], Lives, set]:
+    """The graph's node order, its storages' lives (`lives`), and which of them are the step's outputs; with
+    `updates`, the optimizer in the backward (`in_backward`)."""
     nodes = list(tg.graph.nodes)
     pos = {n: i for i, n in enumerate(nodes)}
     held = [sized_storages(n) for n in nodes]
     # the graph does not allocate its inputs; a value kept in host memory (offload) is not the step's memory
     inputs = {s for n in nodes if n.op == "placeholder" or n.meta.get(HOST) for s, _ in held[pos[n]]}
-    outputs = {s for n in _output_nodes(tg.graph) for s, _ in held[pos[n]]} - inputs
+    results = _output_nodes(tg.graph)
+    outputs = {s for n in results for s, _ in held[pos[n]]} - inputs
     last_read = [max([i] + [pos[u] for u in n.users]) for i, n in enumerate(nodes)]
-    return nodes, lives(held, last_read, inputs, outputs, [tg.workspace(n) for n in nodes]), outputs
+    life = lives(held, last_read, inputs, outputs, [tg.workspace(n) for n in nodes])
+    if updates:
+        before = [max([i] + [pos[u] for u in n.users if u.op != "output"]) for i, n in enumerate(nodes)]
+        params = [pos[n] for n, r in zip(tg.placeholders(), tg.roles) if r == "trainable"]
+        _, life, _ = in_backward((len(nodes), life, outputs), held, before, [pos[n] for n in results[1:]], params)
+        nodes = [x for n in nodes for x in (n, n)]  # each position twice: the updates go between two nodes
+    return nodes, life, outputs
 
 
 def _peaks(count: int, life: Lives, outputs: Set) -> tuple[int, int]:
@@ -208,14 +239,15 @@ def _made_grads(tg: TrainGraph) -> int:
 Order = tuple[int, Lives, Set]  # a node order: its length, its storages' `lives`, its outputs' storages
 
 
-def plan(tg: TrainGraph, order: Order | None = None) -> Plan:
+def plan(tg: TrainGraph, order: Order | None = None, updates: bool = False) -> Plan:
     """Bytes by category for running `tg` as a training step with AdamW. `order`, when given, is another
-    node order of the same step: a rewrite planned without making its graph (`recompute.Rewriter.plan`)."""
+    node order of the same step: a rewrite planned without making its graph (`recompute.Rewriter.plan`).
+    `updates`: the optimizer runs in the backward (`in_backward`; `order` then made so too)."""
     if order is None:
-        nodes, lifetimes, made_outputs = _lifetimes(tg)  # one walk over the storages for both peaks
+        nodes, lifetimes, made_outputs = _lifetimes(tg, updates)  # one walk over the storages for both peaks
         order = len(nodes), lifetimes, made_outputs
     inputs = [(r, n.meta.get("val")) for n, r in zip(tg.placeholders(), tg.roles)]
-    return dataclasses.replace(planned(inputs, _made_grads(tg), order, tg.info), offload=host_bytes(tg))
+    return dataclasses.replace(planned(inputs, _made_grads(tg), order, tg.info, updates), offload=host_bytes(tg))
 
 
 def host_bytes(tg: TrainGraph) -> int:
@@ -233,9 +265,11 @@ def placed(p: Plan, device: torch.device) -> Plan:
     return dataclasses.replace(p, device=str(device), workspace=devices.optimizer_workspace(device, largest))
 
 
-def planned(inputs: Sequence[tuple[str, object]], made_grads: int, order: Order, info: dict) -> Plan:
+def planned(inputs: Sequence[tuple[str, object]], made_grads: int, order: Order, info: dict,
+            updates: bool = False) -> Plan:
     """The plan of a step from its inputs' roles and values, the bytes of the grads it makes (`_made_grads`),
-    its node order and its `info` (`plan`'s parts, for a step planned without its graph)."""
+    its node order and its `info` (`plan`'s parts, for a step planned without its graph). `updates`: the optimizer
+    runs in the backward, each update inside `step` (its order made so): no set of grads, no update after it."""
     trainable = [t for r, v in inputs if r == "trainable" for t in tensors_in(v)]
     params = sum(t.numel() * t.element_size() for t in trainable)
     largest = max((t.numel() * t.element_size() for t in trainable), default=0)
@@ -247,12 +281,13 @@ def planned(inputs: Sequence[tuple[str, object]], made_grads: int, order: Order,
     return Plan(
         params=params,
         frozen=role_bytes("frozen", "buffer"),
-        grads=params,
+        grads=0 if updates else params,
         optimizer=2 * 4 * sum(t.numel() for t in trainable),
         graph=graph,
         cache=role_bytes("state") + info.get("saved_states", 0),
         step=step + max(0, params - made_grads),  # with the grads held before the step starts (a walk's sums)
-        workspace=3 * largest,  # torch's single-tensor AdamW (CPU): sqrt, quotient and sum of one parameter
+        # torch's single-tensor AdamW (CPU): sqrt, quotient and sum of one parameter; in the backward, in `step`
+        workspace=0 if updates else 3 * largest,
     )
 
 
@@ -272,12 +307,16 @@ class Storages:
         self.inputs: set[Hashable] = set()
         self.grads: list[tuple[Hashable, int]] = []  # what the step's outputs after the loss hold
         self.outputs: set[Hashable] = set()
+        self.results: list[int] = []  # the positions of the step's outputs: the loss, then the grads
+        self.placeholders: list[int] = []  # the positions of the step's inputs, in order
+        self.before_output: list[int] = []  # each node's last reader, the step's output aside
         self.templates = {} if templates is None else templates  # see `_template`; shared by walks of one step
 
-    def input(self, key: Hashable) -> int:
-        """A placeholder of its own (not an original's copy): its one storage is `key`."""
+    def input(self, key: Hashable, size: int = 0) -> int:
+        """A placeholder of its own (not an original's copy): its one storage is `key`, of `size` bytes."""
         self.inputs.add(key)
-        return self._append([(key, 0)], 0)
+        self.placeholders.append(len(self.held))
+        return self._append([(key, size)], 0)
 
     def copy(self, n: fx.Node, arg: Callable[[fx.Node], int], new: bool = False) -> int:
         if n.op == "output":
@@ -292,6 +331,7 @@ class Storages:
         self._append([(self.held[read[k]][j][0] if k >= 0 else (mine, s), size) for s, size, k, j in own], inside)
         if n.op == "placeholder":
             self.inputs.update(s for s, _ in self.held[i])
+            self.placeholders.append(i)
         return i
 
     def _template(self, n: fx.Node) -> tuple[list[tuple[Hashable, int, int, int]], int]:
@@ -310,15 +350,21 @@ class Storages:
     def output(self, results: list[int]) -> int:
         """The step's output node: the loss, then the grads (positions of the nodes that make them)."""
         i = self._append([], 0)
+        self.before_output, self.results = list(self.last_read), results
         for h in results:
             self.last_read[h] = i
         self.outputs = {s for h in results for s, _ in self.held[h]}
         self.grads = [held for h in results[1:] for held in self.held[h]]
         return i
 
-    def order(self) -> Order:
+    def order(self, updates: bool = False) -> Order:
+        """The node order made (`updates`: with the optimizer in the backward, `in_backward`)."""
         outputs = self.outputs - self.inputs
-        return len(self.held), lives(self.held, self.last_read, self.inputs, outputs, self.inside), outputs
+        order = len(self.held), lives(self.held, self.last_read, self.inputs, outputs, self.inside), outputs
+        if not updates:
+            return order
+        grads = self.results[1:]
+        return in_backward(order, self.held, self.before_output, grads, self.placeholders[:len(grads)])
 
     def made_grads(self) -> int:
         return sum({s: size for s, size in self.grads if s not in self.inputs}.values())
@@ -374,8 +420,13 @@ def measure(tg: TrainGraph, args: list[torch.Tensor]) -> tuple[list, Measured]:
     counter = iter(range(1 << 62))
 
     inside: list[int] = []  # what the last node held inside beyond its value (`held_inside`)
+    updated: dict[int, int] = {}  # with the optimizer in the backward: the grads updates took (allocation: bytes)
 
     def made(node: fx.Node, value: object, env: dict) -> None:
+        if node.op == "call_module" and tg.info.get("updates"):  # an update, (k, grad): the grad counts as an output
+            storage = env[node.args[1]].untyped_storage()
+            if (p := storage.data_ptr()) in ident:
+                updated[ident[p]] = storage.nbytes()
         for t in tensors_in(value) if not node.meta.get(HOST) else ():  # host memory: not the step's
             p = t.untyped_storage().data_ptr()
             if p in inputs or t.untyped_storage().nbytes() == 0:
@@ -405,8 +456,10 @@ def measure(tg: TrainGraph, args: list[torch.Tensor]) -> tuple[list, Measured]:
     with watching(inside):
         outputs = interpret(tg.gm, args, on_node=made, on_free=freed)
     outs = {ident[p] for t in tensors_in(outputs) if (p := t.untyped_storage().data_ptr()) in ident}
+    outs |= set(updated)
     made_grads = sum({p: t.untyped_storage().nbytes() for t in tensors_in(outputs[1:])
                       if (p := t.untyped_storage().data_ptr()) not in inputs}.values())  # grads may share one
+    made_grads += sum(updated.values())
     held = sum(a.numel() * a.element_size() for a, r in zip(args, tg.roles) if r == "trainable") - made_grads
     if cuda:
         torch.cuda.synchronize()

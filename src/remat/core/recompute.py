@@ -127,11 +127,12 @@ class Rewriter:
         return TrainGraph(gm=gm, roles=self.tg.roles, names=self.tg.names, boundary=env[self.tg.boundary],
                           info={**self.tg.info, "recompute": policy.name}, workspaces=self.tg.workspaces)
 
-    def plan(self, policy: Policy, kept: dict[fx.Node, str] | None = None) -> Plan:
-        """`plan(self(policy, kept))`, to the byte, without making the graph: a budget search's probe."""
+    def plan(self, policy: Policy, kept: dict[fx.Node, str] | None = None, updates: bool = False) -> Plan:
+        """`plan(self(policy, kept), updates=updates)`, to the byte, without making the graph: a budget search's
+        probe. `updates`: the optimizer in the backward (`plan.in_backward`)."""
         made = Storages(self.storages, self.tg.workspace, self.templates)
         self._copy(keep_reasons(self.tg, policy) if kept is None else kept, made)
-        return plan(self.tg, made.order())
+        return plan(self.tg, made.order(updates), updates)
 
     def _copy(self, kept: dict[fx.Node, str], made: _Graph | Storages) -> tuple[dict[fx.Node, Any], dict[Key, Any]]:
         """The rewritten step, made by `made` in order; each original's copy, and each clone."""

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import functools
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -42,40 +42,45 @@ from torch.fx._lazy_graph_module import _LazyGraphModule
 from remat.core.capture import copied_value
 from remat.core.graph import StepInputs, TrainGraph, copy_node
 from remat.core.marks import LAYER_MARK, MARK_OP
-from remat.core.plan import Order, Plan, Storages, planned, sized_storages, storages_of
+from remat.core.plan import Plan, Storages, planned, sized_storages, storages_of
 from remat.core.policies import Policy, layer_index
 from remat.core.recompute import CLONE_FOR, Rewriter
 from remat.fastplan.picking import NotStampable, Picked, only_layers, pick, qualified_name, signature
 from remat.models.hf import decoder_layers, prepare
 
+SmallTrace = Callable[[tuple[int, ...]], TrainGraph]  # the step traced while the model runs only these layers
+Inputs = Mapping[str, tuple[str, object]]  # a step's own inputs after the model's tensors: name -> (role, value)
 
-def stamp(model: nn.Module, trace_small: Callable[[], TrainGraph], picked: Picked | None = None) -> Stamper:
-    """The whole model's step from `trace_small()` (the same trace, made while the model runs only the layers
+
+def stamp(model: nn.Module, trace_small: SmallTrace, picked: Picked | None = None,
+          inputs: Inputs | None = None) -> Stamper:
+    """The whole model's step from `trace_small(traced)` (the same trace, made while the model runs only the layers
     `Picked.traced`): its graph and plans (`Stamper`); NotStampable, with why, when the model must be traced
     whole. `picked`: the layers an earlier stamp of this model picked (`Stamper.picked`; a model's layers are
-    fixed once built), else picked here."""
+    fixed once built), else picked here. `inputs`: the whole step's own inputs, where the small trace has fewer
+    (the walk's: every layer's states), else the small trace's."""
     prepare(model)  # the layer marks are numbered by the whole list, before it is cut
     layers = decoder_layers(model)
     if picked is None:
         picked = pick([signature(m) for m in layers])
     try:
-        return _stamped(model, layers, picked, trace_small)
+        return _stamped(model, layers, picked, trace_small, inputs)
     except NotStampable:
         if not picked.last_copied:
             raise
     # the last layer is not like its type's others beyond what its signature shows (axk1's backward holds more):
     # it stands for itself, from now on (the stamper's `picked`)
-    return _stamped(model, layers, pick([signature(m) for m in layers], last_copied=False), trace_small)
+    return _stamped(model, layers, pick([signature(m) for m in layers], last_copied=False), trace_small, inputs)
 
 
-def _stamped(model: nn.Module, layers: nn.ModuleList, picked: Picked,
-             trace_small: Callable[[], TrainGraph]) -> Stamper:
+def _stamped(model: nn.Module, layers: nn.ModuleList, picked: Picked, trace_small: SmallTrace,
+             inputs: Inputs | None) -> Stamper:
     with only_layers(model, layers, picked.traced):
         try:
-            small = trace_small()
+            small = trace_small(picked.traced)
         except (KeyError, IndexError) as e:  # a model that keeps tables by layer (Zamba2's) runs no cut list
             raise NotStampable(f"layers {list(picked.traced)} do not run alone: {type(e).__name__} {e}") from e
-    stamper = Stamper(small, Numbering(qualified_name(model, layers)), picked, StepInputs.of(model))
+    stamper = Stamper(small, Numbering(qualified_name(model, layers)), picked, StepInputs.of(model), inputs)
     stamper.walked  # noqa: B018 - the last checks: NotStampable here, not later
     return stamper
 
@@ -149,17 +154,24 @@ def backward_starts(tg: TrainGraph, label: dict[fx.Node, int], count: int, refus
 
 
 class Numbering:
-    """Layer numbers in tensor names: `{decoder list}.{i}.` (`model.layers.3.mlp.up_proj.weight`)."""
+    """Layer numbers in tensor names: `{decoder list}.{i}.` (`model.layers.3.mlp.up_proj.weight`, and the walk's
+    gradient sum of it, `grad.model.layers.3....`), and the walk's states (`k.3`, `grad.v.3`, `conv.3.1`,
+    `grad_start.recurrent.3`: `models.steps.state_layer`)."""
+
+    STATE = re.compile(r"^(?:grad(?:_start)?\.)?(?:k|v|conv|recurrent)\.(\d+)(?:\.\d+)?$")
 
     def __init__(self, layers_name: str):
         self.pattern = re.compile(rf"(?:^|\.){re.escape(layers_name)}\.(\d+)\.")
 
+    def _match(self, name: str) -> re.Match | None:
+        return self.pattern.search(name) or self.STATE.match(name)
+
     def layer(self, name: str) -> int | None:
-        m = self.pattern.search(name)
+        m = self._match(name)
         return int(m[1]) if m else None
 
     def renumber(self, name: str, to: int) -> str:
-        m = self.pattern.search(name)
+        m = self._match(name)
         assert m is not None, name
         return name[:m.start(1)] + str(to) + name[m.end(1):]
 
@@ -171,8 +183,10 @@ class Stamper:
     """The small trace split by place, each type's two layers checked alike, and the whole step made from it,
     every layer of the model from its source place: its graph (`graph`), or only its plan (`plan`)."""
 
-    def __init__(self, small: TrainGraph, numbering: Numbering, picked: Picked, full: StepInputs):
+    def __init__(self, small: TrainGraph, numbering: Numbering, picked: Picked, full: StepInputs,
+                 inputs: Inputs | None = None):
         self.small, self.picked, self.n, self.full = small, picked, picked.n, full
+        self.inputs = inputs  # the whole step's own inputs (None: the small trace's)
         self.name_of = dict(zip(small.placeholders(), small.names))
         self.numbering = numbering
         self.seg = _segments(small, self.numbering, picked)
@@ -232,36 +246,39 @@ class Stamper:
                                                                                 env=env, places=places))
             if node.target is MARK_OP and layer_index(node) is not None:
                 copied.args = (copied.args[0], f"{LAYER_MARK}.{layer}")
-        new.output(self._outputs(self._output(), env))
+        new.output(self._outputs(self._output(), env, places))
         self._values(new, order, env)
         gm = _LazyGraphModule(small.gm, new)  # its code is made on its first call: a plan never pays for it
         boundary = env[small.boundary, p.layer(self.seg.place[small.boundary][1])]
         return TrainGraph(gm=gm, roles=self._roles_full(), names=self._names_full(), boundary=boundary,
                           info=small.info, workspaces=small.workspaces)
 
-    def plan(self, policy: Policy | None = None) -> Plan:
-        """`plan(rewrite(self.graph(), policy))` (None: `plan(self.graph())`), to the byte, without making the
-        whole graph: the small trace rewritten, then stamped as the planner sees it (`plan.Storages`).
+    def plan(self, policy: Policy | None = None, updates: bool = False) -> Plan:
+        """`plan(rewrite(self.graph(), policy), updates=updates)` (None: `plan(self.graph())`), to the byte, without
+        making the whole graph: the small trace rewritten, then stamped as the planner sees it (`plan.Storages`).
         NotStampable where the rewritten trace does not stamp. Only for a policy that treats every layer alike
         (every:K keeps a layer's mark by its number, so the layer copied does not stand for every other)."""
         if policy is not None:
-            return Stamper(Rewriter(self.small)(policy), self.numbering, self.picked, self.full).plan()
+            rewritten = Rewriter(self.small)(policy)
+            return Stamper(rewritten, self.numbering, self.picked, self.full, self.inputs).plan(None, updates)
         inputs = list(zip(self._roles_full(), self._input_values().values()))
-        return planned(inputs, *self.walked, self.small.info)
+        made = self.walked
+        return planned(inputs, made.made_grads(), made.order(updates), self.small.info, updates)
 
     @functools.cached_property
-    def walked(self) -> tuple[int, Order]:
-        """The whole step as the planner sees it: the bytes of the grads it makes, and its node order. Walking
-        it reads every value as `graph` does: the last check that the model stamps (`_read`, `_outputs`)."""
+    def walked(self) -> Storages:
+        """The whole step as the planner sees it: each node's storages and last reader, in order. Walking it reads
+        every value as `graph` does: the last check that the model stamps (`_read`, `_outputs`)."""
         made = Storages(functools.cache(sized_storages), self.small.workspace)
-        places = {name: made.input(("input", name)) for name in self._names_full()}
+        values = self._input_values()
+        places = {name: made.input(("input", name), _nbytes(values[name])) for name in self._names_full()}
         env: dict[tuple[fx.Node, int], int] = {}  # (small node, the model's layer it stands for) -> its position
         copied = [not self.picked.itself(place) for place in range(self.picked.head + 1)]
         for node, layer in self._order():
             read = functools.partial(self._read, layer=layer, reader=node, env=env, places=places)
             env[node, layer] = made.copy(node, read, new=copied[self.seg.place[node][1]])
-        made.output(list(self._outputs(self._output(), env)))
-        return made.made_grads(), made.order()
+        made.output(list(self._outputs(self._output(), env, places)))
+        return made
 
     def _order(self) -> list[tuple[fx.Node, int]]:
         """Every node of the whole graph (placeholders aside) as (the small node it copies, its layer), in the
@@ -302,22 +319,34 @@ class Stamper:
 
     # ------------------------------------------------------------------ placeholders and outputs
     def _names_full(self) -> list[str]:
-        inputs = self.small.names[len(self.small.names) - self._n_inputs():]
-        return [*self.full.trainable, *self.full.frozen, *self.full.buffers, *inputs]
-
-    def _n_inputs(self) -> int:
-        return sum(r in ("input", "state", "grad") for r in self.small.roles)
+        return list(self._input_values())
 
     def _roles_full(self) -> list[str]:
-        f = self.full
+        f, own = self.full, self._own_inputs()
+        sums = ["grad"] * len(f.trainable) if "grad" in self.small.roles else []
         return (["trainable"] * len(f.trainable) + ["frozen"] * len(f.frozen) + ["buffer"] * len(f.buffers)
-                + self.small.roles[len(self.small.roles) - self._n_inputs():])
+                + [role for role, _ in own.values()] + sums)
+
+    def _own_inputs(self) -> Inputs:
+        """The whole step's inputs after the model's tensors, its gradient sums aside (the walk's: role "grad")."""
+        if self.inputs is not None:
+            return self.inputs
+        return {name: (role, p.meta["val"]) for p, name, role in zip(self.small.placeholders(), self.small.names,
+                                                                     self.small.roles)
+                if role in ("input", "state")}
+
+    @functools.cached_property
+    def _inputs_by_name(self) -> dict[str, object]:
+        tensors: dict[str, object] = {**self.full.trainable, **self.full.frozen, **self.full.buffers}
+        values = tensors | {name: value for name, (_, value) in self._own_inputs().items()}
+        if "grad" in self.small.roles:  # the walk's sums, one per trainable tensor of the whole model: their
+            # layouts (meta tensors: a plan reads no more, and a fake tensor made from each cost a second a hundred)
+            values |= {f"grad.{k}": torch.empty_like(t, device="meta") for k, t in self.full.trainable.items()}
+        return values
 
     def _input_values(self) -> dict[str, object]:
-        """The whole step's inputs by name: the model's tensors, then the small trace's own inputs."""
-        small_vals = {name: p.meta["val"] for p, name in zip(self.small.placeholders(), self.small.names)}
-        tensors = {**self.full.trainable, **self.full.frozen, **self.full.buffers}
-        return {name: tensors.get(name, small_vals.get(name)) for name in self._names_full()}
+        """The whole step's inputs by name: the model's tensors, its own inputs, then its gradient sums (a walk's)."""
+        return self._inputs_by_name
 
     def _placeholders(self, new: fx.Graph) -> dict[str, fx.Node]:
         values = self._input_values()
@@ -332,7 +361,7 @@ class Stamper:
     def _output(self) -> fx.Node:
         return next(x for x in reversed(self.small.graph.nodes) if x.op == "output")
 
-    def _outputs(self, out: fx.Node, env: dict) -> tuple:
+    def _outputs(self, out: fx.Node, env: dict, places: dict[str, Any]) -> tuple:
         results = [r for r in out.args[0] if isinstance(r, fx.Node)]  # type: ignore[union-attr]
         if len(results) != len(out.args[0]):  # type: ignore[arg-type]
             raise NotStampable("a grad that is not a graph value")
@@ -344,6 +373,9 @@ class Stamper:
             layer = self.numbering.layer(name)
             source = p.head if layer is None else p.source[layer]
             g = by_name[name if layer is None else self.numbering.renumber(name, p.traced[source])]
+            if g.op == "placeholder":  # a walk's gradient sum: the step returns it, added into
+                new.append(places[f"grad.{name}"])
+                continue
             at = self.seg.place[g][1]
             if at == source:
                 new.append(env[g, p.n if layer is None else layer])
@@ -366,6 +398,10 @@ class Stamper:
                     or (any(a in redone for a in c.all_input_nodes) and shares_an_input(node))):
                 c.meta["val"] = copied_value(node, c)
                 redone.add(c)
+
+
+def _nbytes(value: object) -> int:
+    return value.untyped_storage().nbytes() if isinstance(value, torch.Tensor) else 0
 
 
 def shares_an_input(node: fx.Node) -> bool:

@@ -178,6 +178,27 @@ def _decoder_slot(lm: Any) -> tuple[nn.Module, str]:
     raise UnsupportedModel(f"{type(lm).__name__}: its decoder is not one of its modules")
 
 
+# The bytes of one loss piece's logits in fp32 that the default chunk stays within: SmolLM2's 256 tokens of its
+# 49,152-token vocabulary. The logits of one piece, their log-softmax and their gradient are the head's floor
+# once recompute keeps one piece at a time (qwen3.5-0.8b's 248,320-token vocabulary at 256 tokens: 752 MiB of
+# plan at ctx 256; at 32 tokens, 117).
+LOSS_PIECE_BYTES = 48 << 20
+LOSS_CHUNK_RANGE = (16, 256)  # fewer tokens make the head's matmuls too small; more save no time worth the bytes
+
+
+def loss_chunk_for(config: Any, walk: bool = False) -> int:
+    """The default tokens per loss piece for a model: the largest power of two whose fp32 logits (tokens x
+    vocabulary x 4 bytes) fit LOSS_PIECE_BYTES, within LOSS_CHUNK_RANGE; on the walk, a quarter of those bytes
+    (a chunk's step holds one chunk's activations, and three logits-sized tensors of a piece would be most of it:
+    SmolLM2 64 tokens). A function of the model's shape alone (not of free memory), so a job gives the same losses
+    on every machine. The hidden size does not enter: every piece reads the whole head (vocabulary x hidden)
+    whatever its length, and holds tokens x vocabulary."""
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    fits = max(1, LOSS_PIECE_BYTES // (4 if walk else 1) // (4 * int(text.vocab_size)))
+    low, high = LOSS_CHUNK_RANGE
+    return max(low, min(high, 1 << (fits.bit_length() - 1)))
+
+
 _only_pieces: list[list[int]] = []  # while `traced_pieces` is on: the loss pieces that run (the rest are stamped)
 
 

@@ -300,14 +300,20 @@ class WalkCache:
     # attention layers
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
         keys, values = self.state[f"k.{layer_idx}"], self.state[f"v.{layer_idx}"]
-        keys.index_copy_(2, self.positions, key_states)
-        values.index_copy_(2, self.positions, value_states)
+        rows = self.rows()
+        keys.index_copy_(2, rows, key_states)
+        values.index_copy_(2, rows, value_states)
         return keys, values
 
     def update_indexer(self, key_states: torch.Tensor, layer_idx: int) -> torch.Tensor:
         keys = self.state[f"index.{layer_idx}"]
-        keys.index_copy_(1, self.positions, key_states)
+        keys.index_copy_(1, self.rows(), key_states)
         return keys
+
+    def rows(self) -> torch.Tensor:
+        """The chunk's positions, as a value of the calling layer's own (a view): the layer's backward reads the
+        index it wrote at, and a stamped plan (`fastplan.stamp`) places each backward node by the layers it reads."""
+        return self.positions.view(-1)
 
     def get_query_offset(self, layer_idx: int = 0) -> torch.Tensor:
         return self.offset
@@ -370,8 +376,8 @@ class ExactWalkCache(WalkCache):
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
         k, v = f"k.{layer_idx}", f"v.{layer_idx}"
         self.made[k], self.made[v] = key_states, value_states
-        return (self.state[k].index_copy(2, self.positions, key_states),
-                self.state[v].index_copy(2, self.positions, value_states))
+        rows = self.rows()
+        return self.state[k].index_copy(2, rows, key_states), self.state[v].index_copy(2, rows, value_states)
 
     def update_indexer(self, key_states: torch.Tensor, layer_idx: int) -> torch.Tensor:
         # the indexer scores keys without grad: no gradient leaves through its rows

@@ -19,14 +19,17 @@ The walk's chunks (docs/architecture.md, "The walk"):
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import linecache
+import math
 import traceback
+from collections.abc import Collection
 from pathlib import Path
 
 import torch
 from torch import nn
-from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicOutputShapeException
+from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicOutputShapeException, FakeTensor
 
 from remat.core import attention
 from remat.core.capture import Recorder, Seeded, into, trace
@@ -133,43 +136,75 @@ def exact_chunk_loss(model: nn.Module, *inputs: torch.Tensor, names: list[str], 
         state[k].register_hook(into(grad[k]) if k.startswith(KV) else into(grad_start[k], add=False))
     cache = cache_class(state, offset, input_ids.shape[1])
     loss = _loss(model, cache, n_targets, input_ids, labels, loss_chunk)
-    # later chunks' gradient: at this chunk's own K/V rows of the cache's buffer, and at its end state
-    # (what a layer makes without grad, HRM's no-grad cycles, passes none on: later chunks read it as a constant)
+    # later chunks' gradient: at this chunk's own K/V rows of the cache's buffer, read when the layer's backward
+    # reaches them (read at the step's start, every layer's rows were alive through the loss head's backward);
+    # at its end state, the buffer itself. What a layer makes without grad (HRM's no-grad cycles) passes none
+    # on: later chunks read it as a constant.
     made = {k: t for k, t in cache.made.items() if t.requires_grad}
-    arriving = [grad[k].index_select(2, cache.positions) if k.startswith(KV) else grad[k] for k in made]
-    return Seeded(loss, tuple(made.values()), tuple(arriving), tuple(state[k] for k in grad))
+    for k, t in made.items():
+        if k.startswith(KV):
+            t.register_hook(_arriving(grad[k], offset, input_ids.shape[1]))
+    ends = [k for k in made if not k.startswith(KV)]
+    return Seeded(loss, tuple(made[k] for k in ends), tuple(grad[k] for k in ends), tuple(state[k] for k in grad))
+
+
+def _arriving(buffer: torch.Tensor, offset: torch.Tensor, chunk: int):
+    """A gradient hook on a chunk's own K or V rows: what later chunks sent them, added. The rows' positions are
+    made here, in the layer's backward, from the offset (not read from the forward's: a node every layer's backward
+    read would not belong to one layer, and a stamped plan splits the step by layer)."""
+    return lambda g: g + buffer.index_select(2, offset + torch.arange(chunk, device=offset.device))
+
+
+def state_layer(name: str) -> int:
+    """The layer a walk state belongs to, by its name (`k.3`, `recurrent.3`, `conv.3.1`, `grad.k.3`, ...)."""
+    return int(name.removeprefix("grad_start.").removeprefix("grad.").split(".")[1])
+
+
+def chunk_inputs(model: nn.Module, shapes: dict[str, tuple[int, ...]], batch: int, ubatch: int,
+                 exact: bool) -> dict[str, tuple[str, torch.Tensor]]:
+    """A walk chunk's step inputs after the model's tensors, by name: (role, an example of its shape, not filled):
+    the states (exact: those `differentiated`, then their gradient buffers and the start states' buffers), offset,
+    target count and batch. A model on fake weights gets fake ones: a plan allocates nothing of the cache's size."""
+    dtype = compute_dtype(model)
+    mode = next((p.fake_mode for p in model.parameters() if isinstance(p, FakeTensor)), None)
+    names = list(shapes)
+    graded = differentiated(names) if exact else []
+    with mode if mode is not None else contextlib.nullcontext():
+        # exact: the cache and start states are differentiated (their gradient leaves the step into the buffers)
+        inputs = {k: ("state", torch.empty(shape, dtype=dtype, requires_grad=k in graded))
+                  for k, shape in shapes.items()}
+        if exact:
+            inputs |= {f"grad.{k}": ("state", torch.empty(shapes[k], dtype=dtype)) for k in graded}
+            inputs |= {f"grad_start.{k}": ("state", torch.empty(shapes[k], dtype=dtype)) for k in carried(names)}
+        return inputs | {
+            "offset": ("input", torch.zeros((), dtype=torch.long)),
+            "n_targets": ("input", torch.ones((), dtype=torch.float32)),
+            "input_ids": ("input", torch.zeros(batch, ubatch, dtype=torch.long)),
+            "labels": ("input", torch.zeros(batch, ubatch, dtype=torch.long)),
+        }
 
 
 def chunk_step(model: nn.Module, batch: int, ctx: int, ubatch: int, *, loss_chunk: int = 0, exact: bool = False,
                probes: Probes | None = None, recorder: Recorder | None = None,
-               device: torch.device | None = None) -> TrainGraph:
+               device: torch.device | None = None, layers: Collection[int] | None = None) -> TrainGraph:
     """Trace one walk chunk's step: placeholders are the model's tensors, the states (and, exact, their
     gradient buffers), offset, target count, batch, then the window's gradient sums (`capture.trace`'s
-    `accumulate`: the chunk adds its grads into them and returns them). `device`: as `window_step`'s."""
+    `accumulate`: the chunk adds its grads into them and returns them). `device`: as `window_step`'s. `layers`:
+    the decoder runs only these (a stamped plan's small trace, `fastplan.stamp`): the other layers' states are not
+    its inputs."""
     if ctx % ubatch:
         raise ValueError(f"--ctx {ctx} is not a multiple of --ubatch {ubatch}")
     probes = probes or Probes(model)
-    shapes = probes.state_shapes(batch, ctx)
-    dtype = compute_dtype(model)
+    every = probes.state_shapes(batch, ctx)
+    shapes = every if layers is None else {k: v for k, v in every.items() if state_layer(k) in layers}
     names = list(shapes)
-    # exact: the cache and start states are differentiated (their gradient leaves the step into the buffers)
-    graded = differentiated(names) if exact else []
-    inputs = {name: ("state", torch.zeros(shape, dtype=dtype, requires_grad=name in graded))
-              for name, shape in shapes.items()}
-    if exact:
-        inputs |= {f"grad.{k}": ("state", torch.zeros(shapes[k], dtype=dtype)) for k in graded}
-        inputs |= {f"grad_start.{k}": ("state", torch.zeros(shapes[k], dtype=dtype)) for k in carried(names)}
-    inputs |= {
-        "offset": ("input", torch.zeros((), dtype=torch.long)),
-        "n_targets": ("input", torch.ones((), dtype=torch.float32)),
-        "input_ids": ("input", torch.zeros(batch, ubatch, dtype=torch.long)),
-        "labels": ("input", torch.zeros(batch, ubatch, dtype=torch.long)),
-    }
+    inputs = chunk_inputs(model, shapes, batch, ubatch, exact)
     loss = (functools.partial(exact_chunk_loss, cache_class=probes.cache(ExactWalkCache)) if exact
             else functools.partial(chunk_loss, cache_class=probes.cache(WalkCache)))
     loss = functools.partial(loss, names=names, loss_chunk=loss_chunk)
     # the exact walk keeps every chunk's start state from the forward sweep (the graph sees one of them)
-    starts = ctx // ubatch * sum(inputs[k][1].nbytes for k in carried(names)) if exact else 0
+    itemsize = compute_dtype(model).itemsize
+    starts = ctx // ubatch * sum(math.prod(every[k]) * itemsize for k in carried(list(every))) if exact else 0
     info = {"shape": (batch, ubatch), "ctx": ctx, "path": "walk", "walk": "exact" if exact else "truncated",
             "loss_chunk": loss_chunk, "saved_states": starts}
     try:

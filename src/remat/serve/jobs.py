@@ -12,10 +12,11 @@ A server killed mid-job finds the job "running" at the next start and marks it f
 from __future__ import annotations
 
 import builtins
+import contextlib
 import json
 import logging
 import secrets
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -28,10 +29,10 @@ from remat.models import load as models
 from remat.serve import body
 from remat.serve.errors import ApiError, invalid, parse
 from remat.serve.scheduler import Scheduler
-from remat.serve.schemas import MAX_SCALE, LoraScale, TrainRequest
+from remat.serve.schemas import MAX_SCALE, LoraScale, PlanRequest, TrainRequest
 from remat.serve.store import FINISHED, MAX_EVENT_ID, JobStore
 from remat.serve.worker import TorchLock, Worker
-from remat.training import data, gate
+from remat.training import data, gate, longest
 
 __all__ = ["FINISHED", "MAX_EVENT_ID", "JobManager"]
 
@@ -40,6 +41,24 @@ log = logging.getLogger("remat.serve")
 
 def _refused(message: str, extra: dict) -> ApiError:
     return ApiError(422, message, code="insufficient_memory", type="insufficient_memory", extra=extra)
+
+
+@contextlib.contextmanager
+def _planning_errors() -> Iterator[None]:
+    """What planning raises, as the API's errors: a LoRA the model cannot take (400), a model that does not load
+    or trace (500, said so; the server goes on)."""
+    try:
+        yield
+    except ApiError:
+        raise
+    except adapters.AdapterError as e:
+        raise invalid("lora", str(e)) from None
+    except models.ModelError as e:
+        raise ApiError(500, code="model_unavailable", message=str(e), type="server_error") from None
+    except Exception as e:  # a model the planner cannot trace: say so, do not crash the server
+        log.exception("planning failed")
+        raise ApiError(500, code="plan_failed", message=f"cannot plan this job: {one_line(e)}",
+                       type="server_error") from None
 
 
 @dataclass
@@ -84,7 +103,9 @@ class JobManager:
 
     def plan(self, req: TrainRequest | dict) -> dict:
         """Validate, plan and gate a job without queueing it: the answer `submit` would give, less the id;
-        raises ApiError (400, 422) when it cannot run."""
+        raises ApiError (400, 422) when it cannot run. With ctx "max": the longest window on each path."""
+        if (req.get("ctx") if isinstance(req, dict) else getattr(req, "ctx", None)) == "max":
+            return self._longest(req)
         p = self._planned(req)
         body.release(p.records)
         return p.answer()
@@ -241,10 +262,27 @@ class JobManager:
             body.release(records)  # a slice at a time, not with the error's traceback
             raise
 
-    def _settings(self, req: TrainRequest | dict) -> tuple[TrainSettings, builtins.list[dict], str | None]:
-        """The job's TrainSettings, records and name from a request (checked by `TrainRequest`)."""
+    def _longest(self, req: TrainRequest | dict) -> dict:
+        """The longest window within the job's budget, on each path, with the gate's plans there
+        (`training.longest`; as `remat plan --ctx max --json`). The data is parsed, not windowed: the window is
+        the answer."""
+        self._check_open()
+        s, records, _ = self._settings(req, PlanRequest)
+        body.release(records)
+        budget = self.budget(s)
+        planners = self._planners_of_model()
+        with self.torch.planning(), _planning_errors():
+            try:
+                answers = longest.longest(s, budget, planners)
+            finally:
+                planners.forget_graphs()
+        return longest.summary(s, budget, answers, models.max_ctx(planners.config))
+
+    def _settings(self, req: TrainRequest | dict,
+                  model: type[TrainRequest] = TrainRequest) -> tuple[TrainSettings, builtins.list[dict], str | None]:
+        """The job's TrainSettings, records and name from a request (checked by `model`)."""
         if not isinstance(req, TrainRequest):
-            req = parse(TrainRequest, req)
+            req = parse(model, req)
         fields = body.dump(req, exclude_unset=True, exclude_none=True)  # the records a slice at a time
         dumped = fields.pop("data")
         try:
@@ -261,6 +299,8 @@ class JobManager:
         """A job's TrainSettings from its request's fields (data, model and name aside), the server's
         defaults filled in."""
         max_ctx = models.max_ctx(self._planners_of_model().config)
+        if fields.get("ctx") == "max":  # the longest window: each probe sets its own (`training.longest`)
+            fields["ctx"] = fields.setdefault("ubatch", min(256, max_ctx))
         ctx = fields.setdefault("ctx", min(256, max_ctx))
         if ctx > max_ctx:
             raise invalid("ctx", f"ctx {ctx} is above the model's maximum context {max_ctx}")
@@ -300,20 +340,12 @@ class JobManager:
         figures when nothing fits."""
         budget = self.budget(s)
         planners = self._planners_of_model()
-        with self.torch.planning():
+        with self.torch.planning(), _planning_errors():
             try:
                 admitted = gate.admit(s, budget, planners=planners)
             except GateRefused as e:
                 plans = {"plans": e.plans} if e.plans else {}  # none: the LoRA alone was refused, from shapes
                 raise _refused(str(e), {**plans, "budget": budget.bytes, **e.extra}) from None
-            except adapters.AdapterError as e:
-                raise invalid("lora", str(e)) from None
-            except models.ModelError as e:
-                raise ApiError(500, code="model_unavailable", message=str(e), type="server_error") from None
-            except Exception as e:  # a model the planner cannot trace: say so, do not crash the server
-                log.exception("planning failed")
-                raise ApiError(500, code="plan_failed", message=f"cannot plan this job: {one_line(e)}",
-                               type="server_error") from None
             finally:
                 planners.forget_graphs()  # the plans are kept: a server asked many shapes keeps no graphs
         answer = admitted.answer()

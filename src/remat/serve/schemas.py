@@ -186,6 +186,15 @@ class TrainRequest(TrainFields):
     model: Text | None = Field(None, description="ignored: the server trains the model it serves")
 
 
+class PlanRequest(TrainRequest):
+    """A training job to plan (POST /train/plan): a job as POST /train takes it, or with `"ctx": "max"` the
+    longest window that fits its budget, on each path."""
+
+    ctx: Annotated[int, Field(ge=1)] | Literal["max"] | None = Field(
+        None, description="tokens per window, or max: the longest window that fits the budget on the window path "
+        "and on the walk (in multiples of ubatch), each with the gate's plan there")
+
+
 # ---------------------------------------------------------------------------------------------------------
 # responses
 
@@ -353,6 +362,17 @@ class Plan(Out):
     recompute_reason: str
     budget: int
     steps: int | None
+
+
+class Longest(Out):
+    """The longest window within the budget (POST /train/plan with `"ctx": "max"`), as `remat plan --ctx max
+    --json` prints it: by path (window, walk), its window (`ctx`, null when none fits), whether the model's maximum
+    context is the limit (`capped`), the gate's policy and plans there, and the next window's plan total."""
+
+    ctx: Literal["max"]
+    budget: int
+    max_ctx: int
+    paths: dict[str, Any]
 
 
 class Submitted(Plan):

@@ -36,14 +36,17 @@ class Checkpoint:
 
 
 def save(out: Path, step: int, trainable: dict[str, torch.Tensor], optimizer: torch.optim.Optimizer,
-         losses: list[float], *, rng: torch.Tensor | None = None, world_size: int = 1) -> Path:
-    """`rng`: the RNG state (default this process's); a data-parallel run passes every rank's, stacked."""
+         losses: list[float], *, rng: torch.Tensor | None = None, world_size: int = 1,
+         chosen: dict | None = None) -> Path:
+    """`rng`: the RNG state (default this process's); a data-parallel run passes every rank's, stacked. `chosen`:
+    the settings the run chose itself (its loss chunk), which a resumed run keeps (`chosen`)."""
     final = out / f"checkpoint-{step}"
     with staged(final, mode="replace") as tmp:
         save_file({k: v.detach().contiguous() for k, v in trainable.items()}, tmp / "trainable.safetensors")
         torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
         torch.save(torch.get_rng_state() if rng is None else rng, tmp / "rng.pt")
-        state = {"step": step, "losses": losses} | ({"world_size": world_size} if world_size > 1 else {})
+        state = ({"step": step, "losses": losses} | ({"world_size": world_size} if world_size > 1 else {})
+                 | ({"chosen": chosen} if chosen else {}))
         (tmp / STATE).write_text(json.dumps(state))
     return final
 
@@ -62,6 +65,11 @@ def latest(path: str | os.PathLike) -> Checkpoint:
         raise CheckpointError(f"--resume {root}: no complete checkpoint-<step> folder in it")
     step, best = found[-1]
     return Checkpoint(best, step)
+
+
+def chosen(ckpt: Checkpoint) -> dict:
+    """The settings the run that wrote `ckpt` chose itself (its loss chunk): a resumed run keeps them."""
+    return json.loads((ckpt.path / STATE).read_text()).get("chosen", {})
 
 
 def restore(ckpt: Checkpoint, trainable: dict[str, torch.Tensor], optimizer: torch.optim.Optimizer, *,

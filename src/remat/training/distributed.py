@@ -146,10 +146,10 @@ class Ranks:
         return everyone
 
     def save_checkpoint(self, out: Path, step: int, trainable: dict[str, torch.Tensor],
-                        optimizer: torch.optim.Optimizer, losses: list[float]) -> Path:
+                        optimizer: torch.optim.Optimizer, losses: list[float], chosen: dict | None = None) -> Path:
         """Every rank calls this; rank 0 writes one checkpoint holding the whole optimizer state."""
         if not self.parallel:
-            return checkpoints.save(out, step, trainable, optimizer, losses)
+            return checkpoints.save(out, step, trainable, optimizer, losses, chosen=chosen)
         from torch.distributed.optim import ZeroRedundancyOptimizer
 
         assert isinstance(optimizer, ZeroRedundancyOptimizer)
@@ -160,7 +160,7 @@ class Ranks:
         path = out / f"checkpoint-{step}"
         if self.is_main:
             path = checkpoints.save(out, step, trainable, optimizer, losses, rng=torch.stack(rngs),
-                                    world_size=self.world_size)
+                                    world_size=self.world_size, chosen=chosen)
             optimizer._all_state_dicts = []  # type: ignore[attr-defined]  # drop the consolidated copy: rank 0 is back to its share
         with _collective(self):
             dist.barrier()  # the checkpoint is whole before any rank goes on (or reports it)

@@ -27,8 +27,9 @@ from remat.core.plan import Plan, mib
 from remat.core.process import available_memory
 from remat.models import adapters, planned
 from remat.models import load as models
+from remat.models.hf import causal_lm, loss_chunk_for
 from remat.training.distributed import Ranks
-from remat.training.step import Choice, Planner, StepShape
+from remat.training.step import Choice, Planner, StepShape, in_backward, not_in_backward
 
 
 @dataclass(frozen=True)
@@ -127,11 +128,19 @@ class Admitted:
         return self.choice.plans
 
     def answer(self) -> dict:
-        """The answer as callers show it: the policy, why, the budget (bytes and source) and every plan."""
+        """The answer as callers show it: the policy, why, the budget (bytes and source), every plan, and where the
+        optimizer runs."""
         device = {"device": self.budget.device, "host_budget": self.budget.host.bytes} if self.budget.host else {}
         return {"policy": self.policy, "recompute_reason": self.choice.reason, "budget": self.budget.bytes,
                 "budget_source": str(self.budget), "plans": {k: p.as_dict() for k, p in self.plans.items()},
-                **device}
+                "optimizer": self.updates_note(), **device}
+
+    def updates_note(self) -> str:
+        """Where the optimizer runs, in one line (and why not in the backward, where it cannot be)."""
+        if self.shape.updates:
+            return "optimizer: in the backward (each parameter's update as its gradient is complete: no set of grads)"
+        why = not_in_backward(self.settings, self.world_size)
+        return "optimizer: after the backward" + (f" ({why})" if why else "")
 
 
 def admit(s: TrainSettings, budget: Budget, *, world_size: int = 1, planner: Planner | None = None,
@@ -143,13 +152,25 @@ def admit(s: TrainSettings, budget: Budget, *, world_size: int = 1, planner: Pla
     cache of planning models, by LoRA shape), else by a planning model made here from the model's config. Whether
     the window is within the model's maximum context is the caller's to say (a plan notes it, training refuses).
     """
-    local = Ranks(world_size=world_size, local_world_size=world_size).local(s)
     if planner is None:
-        planner = (planners or Planners(models.load_config(s.model))).planner(s, budget)
+        planners = planners or Planners(models.load_config(s.model))
+        s = settled(s, planners.config, world_size)
+        planner = planners.planner(s, budget)
+    else:
+        s = settled(s, causal_lm(planner.model).config, world_size)
+    local = Ranks(world_size=world_size, local_world_size=world_size).local(s)
     shape = StepShape.of(local)
     choice = planner.choose(shape, s.recompute, budget.bytes, world_size,
                             host=budget.host.bytes if budget.host is not None else None)
     return Admitted(local, shape, budget, choice, planner, world_size)
+
+
+def settled(s: TrainSettings, config: transformers.PretrainedConfig, world_size: int = 1) -> TrainSettings:
+    """`s` with what it leaves open chosen: the loss chunk from the model's shape (`hf.loss_chunk_for`), and
+    whether the optimizer runs in the backward (`in_backward`)."""
+    chunk = s.loss_chunk if s.loss_chunk is not None else loss_chunk_for(config, walk=s.path == "walk")
+    return s.model_copy(update={"loss_chunk": chunk,
+                                "optimizer_in_backward": "on" if in_backward(s, world_size) else "off"})
 
 
 def lora_settings(s: TrainSettings) -> adapters.LoraSettings | None:

@@ -20,15 +20,16 @@ from torch import nn
 from torch._subclasses.fake_tensor import FakeTensor
 
 from remat.base import collector
-from remat.base.settings import GateRefused, TrainSettings
+from remat.base.settings import GateRefused, TrainSettings, UsageError
 from remat.core import devices, offload, policies
 from remat.core.graph import TrainGraph
 from remat.core.plan import Plan, mib, placed, plan, rank_share
 from remat.core.recompute import Rewriter, keep_reasons, saved_nodes
 from remat.fastplan import pieces, record, stamp
 from remat.models import stored
+from remat.models.hf import causal_lm, loss_chunk_for
 from remat.models.hf_cache import Probes
-from remat.models.steps import chunk_step, window_step
+from remat.models.steps import chunk_inputs, chunk_step, window_step
 
 
 @dataclass(frozen=True)
@@ -39,13 +40,36 @@ class StepShape:
     batch: int
     ctx: int
     ubatch: int | None  # walk: tokens per chunk
-    loss_chunk: int
+    loss_chunk: int | None  # None: the model's (`hf.loss_chunk_for`), settled by the planner
     walk: str | None = None  # walk: "exact" or "truncated"
+    updates: bool = False  # the optimizer runs in the backward (`training.in_backward`): the same trace, planned so
 
     @classmethod
     def of(cls, s: TrainSettings) -> StepShape:
         on_walk = s.path == "walk"
-        return cls(s.path, s.batch, s.ctx, s.ubatch if on_walk else None, s.loss_chunk, s.walk if on_walk else None)
+        return cls(s.path, s.batch, s.ctx, s.ubatch if on_walk else None, s.loss_chunk, s.walk if on_walk else None,
+                   in_backward(s))
+
+
+def in_backward(s: TrainSettings, world_size: int = 1) -> bool:
+    """Whether the job's optimizer runs in the backward (`training.in_backward`). `auto`: for full fine-tuning, where
+    it changes nothing but memory (torch's AdamW on CPU updates one parameter at a time either way). Where it does
+    not apply, `on` is refused in one line and `auto` is off (`not_in_backward` says why)."""
+    why = not_in_backward(s, world_size)
+    if s.optimizer_in_backward == "on" and why:
+        raise UsageError(f"--optimizer-in-backward on does not apply: {why}")
+    return s.optimizer_in_backward == "on" or (s.optimizer_in_backward == "auto" and not s.lora and not why)
+
+
+def not_in_backward(s: TrainSettings, world_size: int = 1) -> str | None:
+    """Why the optimizer cannot run in the backward for this job (one line), or None."""
+    if s.accumulate > 1:
+        return f"--accumulate {s.accumulate} sums several windows' gradients before the update"
+    if s.path == "walk":
+        return "the walk adds every chunk's gradient into one sum before the update"
+    if world_size > 1:
+        return "several ranks average their gradients (all-reduce) before the update"
+    return None
 
 
 def policy_name(policy: str | bool) -> str:
@@ -85,7 +109,7 @@ class _Shape:
     """What a planner keeps for one shape of step (and set of trainable parameters)."""
 
     graphs: dict[str, TrainGraph] = field(default_factory=dict)  # by policy name
-    plans: dict[str, Plan] = field(default_factory=dict)  # by policy name, for one process
+    plans: dict[tuple[str, bool], Plan] = field(default_factory=dict)  # by policy name and `updates`, one process
     rewriter: Rewriter | None = None  # every policy's rewrite, and each probe of a budget search, shares it
     stamper: stamp.Stamper | None = None  # a planning model's step stamped from a few layers
     stamped: bool = False  # the stamper was asked for (None: the step does not stamp)
@@ -114,8 +138,12 @@ class Planner:
     def _at(self, shape: StepShape) -> _Step:
         """The step of this shape, keyed by the shape and the names of the parameters it trains (worked out once
         per call: a walk over every module)."""
+        if shape.loss_chunk is None:
+            shape = dataclasses.replace(shape, loss_chunk=loss_chunk_for(causal_lm(self.model).config,
+                                                                         walk=shape.path == "walk"))
         trainable = [(n, p) for n, p in self.model.named_parameters() if p.requires_grad]
-        kept = self._shapes.setdefault((shape, tuple(n for n, _ in trainable)), _Shape())
+        traced = dataclasses.replace(shape, updates=False)  # the optimizer's place changes the plan, not the trace
+        kept = self._shapes.setdefault((traced, tuple(n for n, _ in trainable)), _Shape())
         return _Step(shape, kept, [p.numel() for _, p in trainable], self.device)
 
     @collector.paused
@@ -161,37 +189,50 @@ class Planner:
             kept.rewriter, kept.stamper, kept.stamped = None, None, False
 
     def _trace(self, at: _Step) -> TrainGraph:
-        shape = at.shape
-        if shape.path == "walk":
-            assert shape.ubatch is not None
-            return chunk_step(self.model, shape.batch, shape.ctx, shape.ubatch, loss_chunk=shape.loss_chunk,
-                              exact=shape.walk != "truncated", probes=self.probes, recorder=record.record,
-                              device=self.device)
         stamper = self._stamper(at)
-        return stamper.graph() if stamper is not None else self._traced(shape)
+        if stamper is not None:
+            return stamper.graph()
+        return self._chunk(at.shape) if at.shape.path == "walk" else self._traced(at.shape)
+
+    def _chunk(self, shape: StepShape, layers: tuple[int, ...] | None = None) -> TrainGraph:
+        """A walk chunk's step traced whole, or with only `layers` (a stamp's small trace)."""
+        assert shape.ubatch is not None and shape.loss_chunk is not None  # settled by `_at`
+        return chunk_step(self.model, shape.batch, shape.ctx, shape.ubatch, loss_chunk=shape.loss_chunk,
+                          exact=shape.walk != "truncated", probes=self.probes, recorder=record.record,
+                          device=self.device, layers=layers)
 
     def _traced(self, shape: StepShape) -> TrainGraph:
         """The step traced whole; on fake weights (only planned, never run) with its loss's pieces stamped."""
         ids = torch.zeros(shape.batch, shape.ctx, dtype=torch.long)
+        chunk = shape.loss_chunk
+        assert chunk is not None  # settled by `_at`
 
         def whole() -> TrainGraph:  # two tensors: two inputs
-            return window_step(self.model, ids, ids.clone(), loss_chunk=shape.loss_chunk, recorder=record.record,
+            return window_step(self.model, ids, ids.clone(), loss_chunk=chunk, recorder=record.record,
                                device=self.device)
 
         if self.planning:
             with contextlib.suppress(stamp.NotStampable):
-                return pieces.stamp(whole, shape.ctx, shape.loss_chunk)
+                return pieces.stamp(whole, shape.ctx, chunk)
         return whole()
 
     def _stamper(self, at: _Step) -> stamp.Stamper | None:
         """The step of a planning model stamped from a few of its layers' trace (`remat.fastplan.stamp`), made
-        once per shape; None where it is traced whole (a walk; a model whose layers do not stamp)."""
-        kept = at.kept
+        once per shape; None where it is traced whole (a model whose layers do not stamp). A walk's small trace
+        holds its layers' states alone; the whole step's inputs hold every layer's."""
+        kept, shape = at.kept, at.shape
         if not kept.stamped:
             kept.stamped = True
-            if at.shape.path != "walk" and self.planning:
+            if self.planning:
                 with contextlib.suppress(stamp.NotStampable):
-                    kept.stamper = stamp.stamp(self.model, lambda: self._traced(at.shape), self.picked)
+                    if shape.path == "walk":
+                        assert shape.ubatch is not None
+                        states = self.probes.state_shapes(shape.batch, shape.ctx)  # the whole model's: before the cut
+                        inputs = chunk_inputs(self.model, states, shape.batch, shape.ubatch, shape.walk != "truncated")
+                        kept.stamper = stamp.stamp(self.model, lambda layers: self._chunk(shape, layers), self.picked,
+                                                   inputs)
+                    else:
+                        kept.stamper = stamp.stamp(self.model, lambda layers: self._traced(shape), self.picked)
                     self.picked = kept.stamper.picked
         return kept.stamper
 
@@ -205,23 +246,25 @@ class Planner:
     def _plan(self, at: _Step, policy: str, world_size: int) -> Plan:
         """`plan(build(shape, policy))`, made once; a rewrite not made yet is planned without making it. A copy:
         the trainer fills in what it measures."""
-        name = policy_name(policy)
-        if name not in at.kept.plans:
-            at.kept.plans[name] = self._planned(at, name)
-        return at.rank(at.kept.plans[name], world_size)
+        key = policy_name(policy), at.shape.updates
+        if key not in at.kept.plans:
+            at.kept.plans[key] = self._planned(at, key[0])
+        return at.rank(at.kept.plans[key], world_size)
 
     def _planned(self, at: _Step, name: str) -> Plan:
+        updates = at.shape.updates
         if name in at.kept.graphs:  # a graph already made
-            return plan(self._build(at, name))
-        chosen = self._policy(name)
+            return plan(self._build(at, name), updates=updates)
+        chosen = at.kept.saved_back.get(name) or self._policy(name)
         if offload.applies(chosen, self.device):  # a pass on the made graph: planned from it
-            return plan(self._build(at, name))
+            return plan(self._build(at, name), updates=updates)
         stamper = self._stamper(at) if name in LAYERS_ALIKE else None
         if stamper is not None:  # planned from the few layers traced, rewritten: no graph of the whole step
             with contextlib.suppress(stamp.NotStampable):
-                return stamper.plan(chosen)
+                return stamper.plan(chosen, updates)
         # off; else a rewrite planned without making it
-        return plan(self._build(at, name)) if chosen is None else self._rewriter(at).plan(chosen)
+        return plan(self._build(at, name), updates=updates) if chosen is None else self._rewriter(at).plan(
+            chosen, updates=updates)
 
     @collector.paused
     def choose(self, shape: StepShape, recompute: str, budget: int, world_size: int = 1,
@@ -297,7 +340,7 @@ class Planner:
         probed: dict[int, Plan] = {}
 
         def probe(k: int) -> int:  # planned without making the graph: most of a rewrite's time is making it
-            probed[k] = at.rank(rewriter.plan(*saving(k)), world_size)
+            probed[k] = at.rank(rewriter.plan(*saving(k), updates=at.shape.updates), world_size)
             return probed[k].total
 
         saved = list(itertools.accumulate(map(_nbytes, extra), initial=0))

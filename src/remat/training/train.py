@@ -26,7 +26,7 @@ from remat.models import adapters
 from remat.models import load as models
 from remat.models.hf import UnsupportedModel
 from remat.models.hf_cache import Probes
-from remat.training import checkpoints, data, distributed, gate, walk
+from remat.training import checkpoints, data, distributed, gate, in_backward, walk
 from remat.training.step import Planner, StepShape
 
 
@@ -159,15 +159,17 @@ def _train(run: _Run, *, progress: bool) -> Receipt:
         # No local may hold the grads past the optimizer: zero_grad(set_to_none) must free them before the
         # next step's graph runs (a held set cost one params-sized copy of process memory).
         step_loss = set_grads(run.params, run.runner, batches[i * s.accumulate:(i + 1) * s.accumulate], dp)
-        run.optimizer.step()
-        run.optimizer.zero_grad(set_to_none=True)
+        if not run.admitted.shape.updates:  # else every parameter was updated inside the step
+            run.optimizer.step()
+            run.optimizer.zero_grad(set_to_none=True)
         losses.append(step_loss)
         tokens = (len(losses) - first) * s.accumulate * s.batch * s.ctx
         bar.set_postfix(loss=f"{step_loss:.4f}", tok_s=f"{tokens / (time.perf_counter() - start):.0f}")
         bar.update()
         run.hooks.on_step({"epoch": epoch, "step": len(losses), "loss": step_loss, "steps": total})
         if s.save_every and run.out and len(losses) % s.save_every == 0:
-            saved.append(str(dp.save_checkpoint(run.out, len(losses), trainable, run.optimizer, losses)))
+            saved.append(str(dp.save_checkpoint(run.out, len(losses), trainable, run.optimizer, losses,
+                                                {"loss_chunk": s.loss_chunk})))
     bar.close()
     return _receipt(run, losses, first, saved, time.perf_counter() - start)
 
@@ -185,6 +187,7 @@ def _setup(s: TrainSettings, dp: distributed.Ranks, hooks: Hooks) -> _Run:
     # before the model takes its share
     budget = gate.Budget.of(s.memory_budget, ranks_here=dp.local_world_size, device=device)
     out, resume, records = _setup_files(s)
+    s = _settled(s, resume, dp.world_size)
     if hooks.on_early_plan is not None:
         _setup_early_gate(s, dp, budget, runtime, hooks.on_early_plan)
         planned_at = resident()  # what planning left in the process (the modules it imported, caches) stays
@@ -207,9 +210,22 @@ def _setup(s: TrainSettings, dp: distributed.Ranks, hooks: Hooks) -> _Run:
     params = list(StepInputs.of(model).trainable.values())
     optimizer = dp.optimizer(params, lr=s.learning_rate, weight_decay=0.0)
     planner = admitted.planner
-    runner = BatchRunner(model, planner.build(admitted.shape, admitted.policy), admitted.settings, hooks,
-                         planner.probes)
+    graph = planner.build(admitted.shape, admitted.policy)
+    if admitted.shape.updates:  # each parameter's update inside the step, as its gradient is complete
+        in_backward.ready_state(optimizer)
+        graph = in_backward.updating(graph, in_backward.Update(optimizer, params))
+    runner = BatchRunner(model, graph, admitted.settings, hooks, planner.probes)
     return _Run(s, dp, hooks, out, resume, loaded, model, windows, admitted, params, optimizer, runner)
+
+
+def _settled(s: TrainSettings, resume: checkpoints.Checkpoint | None, world_size: int) -> TrainSettings:
+    """What the settings leave open (the loss chunk, the optimizer's place: `gate.settled`), chosen once, before
+    anything is planned: a resumed run keeps the loss chunk its checkpoint chose, so it computes the losses it
+    began with; else the model's shape says."""
+    kept = checkpoints.chosen(resume).get("loss_chunk") if resume and s.loss_chunk is None else None
+    if kept is not None:
+        s = s.model_copy(update={"loss_chunk": kept})
+    return gate.settled(s, models.load_config(s.model), world_size)
 
 
 def _setup_files(s: TrainSettings) -> tuple[Path | None, checkpoints.Checkpoint | None, data.Records]:
@@ -250,6 +266,8 @@ def _setup_gate(s: TrainSettings, dp: distributed.Ranks, model: torch.nn.Module,
     code are made first, so the memory they take (`trace`) is measured and counted."""
     planner = Planner(model)
     shape = StepShape.of(dp.local(s))
+    if shape.path == "walk":  # the walk's probes run the model on two tokens: its weights are paged in here (the
+        planner.probes.state_shapes(shape.batch, shape.ctx)  # plan's params), not counted again as the trace
     before = resident()
     for name in ("off", "on"):
         planner.build(shape, name).make_code()

@@ -45,24 +45,35 @@ class Walk:
     """A window's chunks, in the order their steps run, and the buffers that pass between them."""
 
     def __init__(self, model: nn.Module, batch: int, ctx: int, ubatch: int, exact: bool, probes: Probes | None = None):
-        self.model, self.ctx, self.ubatch, self.exact = model, ctx, ubatch, exact
-        self.params = list(StepInputs.of(model).trainable.values())
+        self.model, self.batch, self.ctx, self.ubatch, self.exact = model, batch, ctx, ubatch, exact
         self.probes = probes or Probes(model)
+        self.params = list(StepInputs.of(model).trainable.values())
         self.device = next(model.parameters()).device
         self.draws: list[Draws] = []  # the random generators' state at each chunk's start in the forward sweep
-        self.state = new_state(model, batch, ctx, self.probes)
-        self.carried = carried(list(self.state))
-        self.grad = {k: torch.zeros_like(self.state[k]) for k in differentiated(list(self.state))} if exact else {}
-        self.grad_start = {k: torch.zeros_like(self.state[k]) for k in self.carried} if exact else {}
+        self.state: dict[str, torch.Tensor] = {}
+        self.grad: dict[str, torch.Tensor] = {}
+        self.grad_start: dict[str, torch.Tensor] = {}
+        self.starts: list[dict[str, torch.Tensor]] = []  # exact: each chunk's start state, from the forward sweep
+        self.carried: list[str] = []
 
     def chunks(self, input_ids: torch.Tensor, labels: torch.Tensor,
                before_chunk: Callable[[], None]) -> Iterator[list[torch.Tensor]]:
         """The inputs of each chunk's step (after the model's tensors), one step run between two of them.
 
         The last inputs are the window's gradient sums, new for each window (the caller may still hold
-        the last window's); every chunk's step returns them, the last one the window's grads."""
-        for t in (*self.state.values(), *self.grad.values()):
-            t.zero_()  # a new window: no cache or state carried in from the last one, no gradient yet
+        the last window's); every chunk's step returns them, the last one the window's grads. The cache and
+        states (exact: with their gradient buffers) are made for the window, zeroed (nothing carried in from the
+        last one), and given back when its last chunk has run: the optimizer's update never holds them
+        (the plan counts `cache` beside the step, not beside the update)."""
+        try:
+            yield from self._chunks(input_ids, labels, before_chunk)
+        finally:
+            self.state, self.grad, self.grad_start, self.starts, self.draws = {}, {}, {}, [], []
+
+    def _chunks(self, input_ids: torch.Tensor, labels: torch.Tensor,
+                before_chunk: Callable[[], None]) -> Iterator[list[torch.Tensor]]:
+        self.state = new_state(self.model, self.batch, self.ctx, self.probes)
+        self.carried = carried(list(self.state))
         n_targets = (labels != -100).sum().to(torch.float32)
         starts = range(0, self.ctx, self.ubatch)
         sums = [torch.zeros_like(p) for p in self.params]
@@ -75,10 +86,13 @@ class Walk:
             for start in starts:
                 yield [*self.state.values(), *batch(start)]
             return
-        start_states = self.forward_sweep(input_ids, before_chunk)
+        self.starts = self.forward_sweep(input_ids, before_chunk)
         swept = Draws.now(self.device)
+        # the gradient buffers, from the first step that adds into them
+        self.grad = {k: torch.zeros_like(self.state[k]) for k in differentiated(list(self.state))}
+        self.grad_start = {k: torch.zeros_like(self.state[k]) for k in self.carried}
         kv = {k: t for k, t in self.state.items() if k.startswith(KV)}
-        for start, begun, drawn in zip(reversed(starts), reversed(start_states), reversed(self.draws)):
+        for start, begun, drawn in zip(reversed(starts), reversed(self.starts), reversed(self.draws)):
             for t in self.grad_start.values():
                 t.zero_()  # a state the step does not read gets no gradient
             state = [kv[k] if k in kv else begun[k] for k in self.state]

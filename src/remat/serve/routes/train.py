@@ -14,7 +14,7 @@ from remat.serve import body
 from remat.serve import generation as gen
 from remat.serve.errors import ApiError, SafeJSONResponse, responses
 from remat.serve.jobs import FINISHED, MAX_EVENT_ID, JobManager
-from remat.serve.schemas import Deleted, EventList, Job, JobList, Plan, Submitted, TrainRequest
+from remat.serve.schemas import Deleted, EventList, Job, JobList, Longest, Plan, PlanRequest, Submitted, TrainRequest
 from remat.serve.state import JobsDep
 
 router = APIRouter(tags=["training"])
@@ -32,8 +32,15 @@ async def train_body(request: Request) -> body.Parsed[TrainRequest]:
     return await body.read(request, TrainRequest)
 
 
+async def plan_body(request: Request) -> body.Parsed[PlanRequest]:
+    """A job to plan, as `train_body` reads a job (its ctx may be "max")."""
+    return await body.read(request, PlanRequest)
+
+
 TrainBody = Annotated[body.Parsed[TrainRequest], Depends(train_body)]
 TRAIN_BODY = body.openapi_body(TrainRequest, "a training job: its data and TrainSettings' fields")
+PlanBody = Annotated[body.Parsed[PlanRequest], Depends(plan_body)]
+PLAN_BODY = body.openapi_body(PlanRequest, "a training job as POST /train takes it; ctx may be max")
 
 
 @router.post("/train", status_code=202, response_model=Submitted, responses=responses(400, 422, 503),
@@ -45,10 +52,12 @@ async def train(req: TrainBody, jobs: JobsDep):
     return SafeJSONResponse(answer, status_code=202, headers={"Location": f"/train/{answer['id']}"})
 
 
-@router.post("/train/plan", response_model=Plan, responses=responses(400, 422, 503), openapi_extra=TRAIN_BODY)
-async def train_plan(req: TrainBody, jobs: JobsDep):
+@router.post("/train/plan", response_model=Plan | Longest, responses=responses(400, 422, 503),
+             openapi_extra=PLAN_BODY)
+async def train_plan(req: PlanBody, jobs: JobsDep):
     """What `POST /train` would answer, without queueing anything: the plans, the gate's choice and its
-    reason (200), or 422 `insufficient_memory` with the plans when none fits the budget."""
+    reason (200), or 422 `insufficient_memory` with the plans when none fits the budget. With `"ctx": "max"`:
+    the longest window within the budget on each path, with the gate's plans there (`remat plan --ctx max`)."""
     return SafeJSONResponse(await body.answer(jobs.plan, req))
 
 

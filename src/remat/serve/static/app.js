@@ -363,17 +363,19 @@ async function trainRequest() {
 }
 
 // Plan (POST /train/plan: nothing queued) or submit (POST /train): the same body, the same plan card.
-async function trainCall(path, button, busy) {
+// `extra`: fields set over the form's (the longest window: ctx "max").
+async function trainCall(path, button, busy, extra) {
   showError("#train-error", null);
   let req;
   try {
-    req = await trainRequest();
+    req = Object.assign(await trainRequest(), extra || {});
   } catch (e) {
     showError("#train-error", e);
     return null;
   }
   const label = button.textContent;
-  for (const b of [$("#t-plan"), $("#t-submit")]) b.disabled = true;
+  const buttons = [$("#t-plan"), $("#t-longest"), $("#t-submit")];
+  for (const b of buttons) b.disabled = true;
   button.textContent = busy;
   try {
     return await api("POST", path, req);
@@ -384,7 +386,7 @@ async function trainCall(path, button, busy) {
     else $("#plan").hidden = true;
     return null;
   } finally {
-    for (const b of [$("#t-plan"), $("#t-submit")]) b.disabled = false;
+    for (const b of buttons) b.disabled = false;
     button.textContent = label;
   }
 }
@@ -392,6 +394,34 @@ async function trainCall(path, button, busy) {
 async function planTrain() {
   const plan = await trainCall("/train/plan", $("#t-plan"), "Planning…");
   if (plan) { S.planned = plan; renderPlan($("#plan"), plan, null); }
+}
+
+// The longest window within the budget (POST /train/plan with ctx "max"), on each path, with the gate's plans.
+async function planLongest() {
+  const answer = await trainCall("/train/plan", $("#t-longest"), "Searching…", {ctx: "max"});
+  if (answer) { S.planned = answer; renderLongest($("#plan"), answer); }
+}
+
+function renderLongest(box, answer) {
+  box.replaceChildren(el("h2", {}, "Longest ctx", el("span", {class: "muted small"}, `within ${mib(answer.budget)}`)));
+  for (const [path, a] of Object.entries(answer.paths)) {
+    const row = el("div", {class: "longest", dataset: {path}});
+    if (a.ctx === null) {
+      row.append(el("p", {}, el("b", {}, `${path}: `), a.reason));
+    } else {
+      const limit = a.capped ? " (the model's maximum context)"
+        : ` (${a.next.ctx.toLocaleString()} would plan ${mib(a.next.total)})`;
+      row.append(el("p", {class: "choice"}, el("b", {}, `${path}: ${a.ctx.toLocaleString()} tokens`),
+                    ` · policy ${a.policy} · ${mib(a.plan.total)}${limit}`),
+                 el("p", {class: "reason"}, a.reason), planBars(a.plans, answer.budget, a.policy));
+      if (path === "window") {
+        row.append(el("button", {type: "button", class: "secondary use-ctx",
+                                 onclick: () => { $("#t-ctx").value = a.ctx; }}, `Use ctx ${a.ctx}`));
+      }
+    }
+    box.append(row);
+  }
+  box.hidden = false;
 }
 
 async function submitTrain(ev) {
@@ -874,6 +904,7 @@ function start() {
   });
   $("#train-form").addEventListener("submit", submitTrain);
   $("#t-plan").addEventListener("click", planTrain);
+  $("#t-longest").addEventListener("click", planLongest);
   $("#t-file").addEventListener("change", () => showError("#train-error", null));
   $("#ad-refresh").addEventListener("click", refreshAdapters);
   window.addEventListener("hashchange", () => selectTab(location.hash.slice(1)));

@@ -1,0 +1,210 @@
+"""The longest window a job fits in its budget (`remat plan --ctx max`, `POST /train/plan` with `"ctx": "max"`).
+
+For each path (the window; the walk, in multiples of `--ubatch`) the longest window the gate admits, found by
+planning alone (fake weights, nothing of the model's size allocated): a window fits when the smallest plan the
+job's `--recompute` allows is within the budget (what the gate asks, `Planner.choose`: a save-back only adds to a
+rung that fits). Plans grow with the window nearly in a line (the walk's exactly: every size in a chunk's step is
+the cache's length times a constant, plus one), so each probe goes where the line through the two nearest the
+budget meets it (`search`), and the answer is confirmed: the window named fits, the next allowed one does not,
+unless the model's maximum context is the limit. The gate's own answer at that window (its policy and plans)
+comes with it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from remat.base.settings import GateRefused, MiB, TrainSettings, UsageError
+from remat.models import load as models
+from remat.models.hf import UnsupportedModel
+from remat.training import gate
+from remat.training.step import LADDER, StepShape, policy_name
+
+START = 2048  # the first window probed, unless the model's maximum is shorter
+
+
+@dataclass
+class Longest:
+    """One path's answer: the longest window that fits (None: not even the shortest), whether the model's maximum
+    context is the limit, the gate's answer there, and what was probed (window: smallest plan's total)."""
+
+    path: str
+    ctx: int | None
+    step: int  # the windows this path allows are its multiples
+    limit: int  # the model's maximum context, in multiples of `step`
+    admitted: gate.Admitted | None = None
+    next_total: int | None = None  # the smallest plan of the next allowed window (not capped)
+    probes: dict[int, int] = field(default_factory=dict)
+    reason: str = ""  # where the path cannot run, or nothing fits, why
+
+    @property
+    def capped(self) -> bool:
+        return self.ctx is not None and self.ctx == self.limit
+
+    def line(self) -> str:
+        """The answer in one line, as `remat plan --ctx max` prints it."""
+        if self.ctx is None or self.admitted is None:
+            return f"{self.path}: {self.reason}"
+        a = self.admitted
+        text = f"{self.path}: {self.ctx:,} tokens (recompute {a.policy}, plan {a.plan.total / MiB:,.1f} MiB)"
+        if self.capped:
+            return text + ", the model's maximum context"
+        over = (self.next_total or 0) - a.budget.bytes
+        return text + f"; {self.ctx + self.step:,} would plan {over / 1024:,.1f} KiB over the budget"
+
+    def as_dict(self) -> dict:
+        a = self.admitted
+        return {"path": self.path, "ctx": self.ctx, "step": self.step, "max_ctx": self.limit, "capped": self.capped,
+                "policy": a.policy if a else None, "reason": a.choice.reason if a else self.reason,
+                "plan": a.plan.as_dict() if a else None,
+                "plans": {k: p.as_dict() for k, p in a.plans.items()} if a else {},
+                "next": None if self.ctx is None or self.capped else {"ctx": self.ctx + self.step,
+                                                                       "total": self.next_total},
+                "optimizer": a.updates_note() if a else None, "probes": len(self.probes)}
+
+
+def summary(s: TrainSettings, budget: gate.Budget, answers: list[Longest], max_ctx: int, world_size: int = 1) -> dict:
+    """The answers as `remat plan --ctx max --json` prints them (and `POST /train/plan` with `"ctx": "max"`)."""
+    return {"model": s.model or "default", "ctx": "max", "budget": budget.bytes, "budget_source": str(budget),
+            "max_ctx": max_ctx, "lora": s.lora, "world_size": world_size,
+            "paths": {a.path: a.as_dict() for a in answers}}
+
+
+def longest(s: TrainSettings, budget: gate.Budget, planners: gate.Planners, world_size: int = 1) -> list[Longest]:
+    """The longest window of the job `s` (its ctx aside) within `budget`, on the window path and on the walk."""
+    limit = models.max_ctx(planners.config)
+    return [_path(s, "window", 1, limit, budget, planners, world_size),
+            _path(s, "walk", s.ubatch, limit, budget, planners, world_size)]
+
+
+def _path(s: TrainSettings, path: str, step: int, limit: int, budget: gate.Budget, planners: gate.Planners,
+          world_size: int) -> Longest:
+    """One path's answer. The probes' graphs are kept until it is found (the gate plans the window found again,
+    with the policies the search did not need: from the same small trace), then dropped."""
+    try:
+        return _search_path(s, path, step, limit, budget, planners, world_size)
+    finally:
+        planners.forget_graphs()
+
+
+def _search_path(s: TrainSettings, path: str, step: int, limit: int, budget: gate.Budget, planners: gate.Planners,
+                 world_size: int) -> Longest:
+    answer = Longest(path, None, step, limit // step * step)
+    if answer.limit < step:
+        answer.reason = f"the model's maximum context {limit:,} is below one chunk of {step:,}"
+        return answer
+    allowed = _allowed(s.recompute)
+
+    def at(ctx: int) -> TrainSettings:
+        return gate.settled(s.model_copy(update={"ctx": ctx, "path": path}), planners.config, world_size)
+
+    lead = allowed[0]  # the policy the search plans: the smallest at the last window planned under every one
+
+    def smallest(ctx: int, policies: tuple[str, ...] = allowed) -> int:
+        nonlocal lead
+        t = at(ctx)
+        plans = planners.planner(t, budget).plans(StepShape.of(t), policies, world_size)
+        best = min(plans, key=lambda k: plans[k].total)
+        if policies == allowed:
+            answer.probes[ctx], lead = plans[best].total, best
+        return plans[best].total
+
+    # The search plans one policy a window (the smallest where every one was planned); the window after the one
+    # found (or the first, where none was) is planned under every policy allowed, and where one fits there the
+    # search goes on from it, led by that one.
+    found, start = None, min(START, answer.limit) // step * step
+    try:
+        smallest(start)
+        while True:
+            more = search(lambda ctx: smallest(ctx, (lead,)), budget.bytes, step, answer.limit, start)
+            found = more or found
+            if more == answer.limit or smallest(step if more is None else more + step) > budget.bytes:
+                break
+            start = step if more is None else more + step
+    except (UnsupportedModel, GateRefused, UsageError) as e:
+        answer.reason = f"cannot run: {e}"
+        return answer
+    if found is None:
+        answer.reason = f"no window fits: {step:,} tokens are over the budget {budget}"
+        return answer
+    answer.ctx, answer.next_total = found, answer.probes.get(found + step)
+    answer.admitted = gate.admit(at(found), budget, world_size=world_size, planners=planners)
+    return answer
+
+
+def _allowed(recompute: str) -> tuple[str, ...]:
+    """The policies whose smallest plan decides whether a window fits: the named one, or the ladder's below dots
+    (off and dots save more than on: never smaller)."""
+    if recompute in ("auto", "budget"):
+        return tuple(p for p in LADDER if p not in ("off", "dots"))
+    return (policy_name(recompute),)
+
+
+def search(total: Callable[[int], int], budget: int, step: int, limit: int, start: int) -> int | None:
+    """The largest multiple of `step` in [step, limit] whose `total` is within `budget`, plans growing with the
+    window (None: not even `step`). Each probe goes where the line through the two probes nearest the budget (the
+    bracket's ends, once there is one) meets it, kept inside the bracket; where two probes did not halve the
+    bracket, a bisection. Mostly four to six probes: the line lands on the answer or next to it."""
+    seen: dict[int, int] = {}
+
+    def probe(ctx: int) -> int:
+        if ctx not in seen:
+            seen[ctx] = total(ctx)
+        return seen[ctx]
+
+    lo, hi = 0, limit + step  # lo fits (0: none yet), hi does not (past the limit: none yet)
+    ctx, widths = max(step, start), list[int]()  # the bracket's widths, once it has both ends
+    while True:
+        if probe(ctx) <= budget:
+            lo = ctx
+        else:
+            hi = ctx
+        if hi - lo <= step:
+            return lo or None
+        widths += [hi - lo] if lo and hi <= limit else []
+        ctx = min(max(_line(seen, budget, step, limit), lo + step), hi - step)
+        if len(widths) > 2 and widths[-1] > widths[-3] // 2 and ctx not in (lo + step, hi - step):
+            ctx = (lo + hi) // 2 // step * step  # two probes did not halve the bracket: bisect
+
+
+def _line(seen: dict[int, int], budget: int, step: int, limit: int) -> int:
+    """Where the line through the two probes nearest the budget meets it (the curve through three, once there are
+    three that grow with the window), in multiples of `step`."""
+    curve = _curve(seen, budget)
+    if curve is not None:
+        return max(step, min(limit, int(curve // step * step)))
+    near = sorted(seen, key=lambda c: abs(seen[c] - budget))[:2]
+    if len(near) < 2:  # one probe: the window in proportion (the plan grows with it; what does not, the weights,
+        c = near[0]  # makes this short of the answer where the probe fits, and a line follows)
+        return max(step, min(limit, int(c * budget / seen[c]) // step * step))
+    (a, pa), (b, pb) = sorted((c, seen[c]) for c in near)
+    slope = (pb - pa) / (b - a) if pb != pa else 0.0
+    if slope <= 0:  # flat: the budget is not met between them; the bracket's end will be tried
+        return limit if pa <= budget else step
+    return int((a + (budget - pa) / slope) // step * step)
+
+
+def _curve(seen: dict[int, int], budget: int) -> float | None:
+    """Where the curve through the three probes nearest the budget meets it: the plan as a quadratic of the window
+    (a window's plan has a part that grows with its square, the mask, and a walk's none: on a line, this is the
+    line's answer), its root between the first and last of them or past them on the side the budget is. None with
+    fewer than three, three not growing, or no root."""
+    near = sorted(sorted(seen, key=lambda c: abs(seen[c] - budget))[:3])
+    if len(near) < 3:
+        return None
+    (a, pa), (b, pb), (c, pc) = ((x, seen[x]) for x in near)
+    if not pa < pb < pc:
+        return None
+    ab, bc = (pb - pa) / (b - a), (pc - pb) / (c - b)
+    curv = (bc - ab) / (c - a)  # y = pa + ab (x - a) + curv (x - a)(x - b)
+    # curv x^2 + (ab - curv (a + b)) x + (pa - ab a + curv a b - budget) = 0
+    qa, qb, qc = curv, ab - curv * (a + b), pa - ab * a + curv * a * b - budget
+    if abs(qa) < 1e-12:
+        return -qc / qb if qb > 0 else None
+    disc = qb * qb - 4 * qa * qc
+    if disc < 0:
+        return None
+    roots = [(-qb + s * disc ** 0.5) / (2 * qa) for s in (1, -1)]
+    rising = [r for r in roots if 2 * qa * r + qb > 0]  # where the plan grows with the window
+    return rising[0] if rising else None

@@ -1,0 +1,140 @@
+"""`remat plan --ctx max` (`training/longest.py`): the longest window within a budget, on each path. The oracle is
+the gate itself: at the window named the gate admits the job (its plan within the budget), at the next allowed
+window (the walk's: the next multiple of --ubatch) it refuses, unless the model's maximum context is the limit."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+
+from remat import cli
+from remat.base.settings import GateRefused, MiB, TrainSettings
+from remat.models.load import load_config, max_ctx
+from remat.training import gate
+from remat.training.longest import longest, search
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def test_search_finds_the_last_window_within_the_budget():
+    """Against every window tried in turn: plans that grow in a line, in a curve, in steps; any multiple."""
+    rng = random.Random(0)
+    for _ in range(300):
+        step, limit = rng.choice([1, 1, 64, 256]), rng.randrange(256, 40_000)
+        base, slope, curve, jump = rng.randrange(1, 10**6), rng.randrange(1, 10**4), rng.random(), rng.randrange(50)
+
+        def total(c: int, base=base, slope=slope, curve=curve, jump=jump) -> int:
+            return int(base + slope * c + curve * c * c / 8 + jump * (c // 97))
+
+        budget = rng.randrange(base, total(limit) * 2)
+        start = min(2048, limit) // step * step
+        expected = max((c for c in range(step, limit // step * step + 1, step) if total(c) <= budget), default=None)
+        assert search(total, budget, step, limit // step * step, start or step) == expected
+
+
+def _check(s: TrainSettings, budget: gate.Budget) -> list:
+    planners = gate.Planners(load_config(s.model))
+    answers = longest(s, budget, planners)
+    assert [a.path for a in answers] == ["window", "walk"]
+    for a in answers:
+        assert a.ctx is not None, a.reason
+        at = s.model_copy(update={"ctx": a.ctx, "path": a.path})
+        admitted = gate.admit(at, budget, planners=planners)
+        assert admitted.plan.total <= budget.bytes
+        assert a.admitted is not None and a.admitted.plan.total == admitted.plan.total
+        if a.capped:
+            assert a.ctx == max_ctx(planners.config) // a.step * a.step
+            continue
+        with pytest.raises(GateRefused):  # the next allowed window: a refusal, with every policy the gate has
+            gate.admit(s.model_copy(update={"ctx": a.ctx + a.step, "path": a.path}), budget, planners=planners)
+        planners.forget_graphs()
+    return answers
+
+
+def test_smollm2_lora_within_640_mib():
+    """The embedded SmolLM2 (a GGUF, its weights held as Q4_1 blocks), LoRA, 640 MiB: neither path reaches the
+    model's 8,192 tokens (in 1 GiB the window path does)."""
+    window, walk = _check(TrainSettings(), gate.Budget(640 * MiB, "--memory-budget"))
+    assert not window.capped and not walk.capped
+    assert walk.ctx % 256 == 0
+
+
+def test_the_models_maximum_context_caps_it():
+    """tiny-llama (its 2,048 tokens) with far more memory than it needs there: both paths are capped."""
+    window, walk = _check(TrainSettings(model="tiny-llama"), gate.Budget(1 << 30, "--memory-budget"))
+    assert window.capped and walk.capped and window.ctx == walk.ctx == 2048
+
+
+def test_the_command_line_answers_with_both_paths(capsys):
+    assert cli.main(["plan", "--model", "tiny-llama", "--ctx", "max", "--memory-budget", "4MiB", "--full",
+                     "--ubatch", "64", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["ctx"] == "max" and out["budget"] == 4 * MiB and out["max_ctx"] == 2048
+    window, walk = out["paths"]["window"], out["paths"]["walk"]
+    assert 0 < window["ctx"] < 2048 and window["plan"]["total"] <= 4 * MiB < window["next"]["total"]
+    assert walk["ctx"] % 64 == 0 and walk["next"]["ctx"] == walk["ctx"] + 64
+    assert window["optimizer"].startswith("optimizer: in the backward")
+
+
+
+@pytest.mark.parametrize("bad", ["0", "maximum", "-1"])
+def test_a_bad_ctx_is_a_usage_error_that_names_max(capsys, bad):
+    with pytest.raises(SystemExit) as e:
+        cli.main(["plan", "--ctx", bad])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "argument --ctx" in err and err.rstrip().endswith("or max"), err
+
+
+
+def test_the_document_says_plan_takes_max_and_train_does_not():
+    from remat.serve.app import create_app
+
+    doc = create_app(model="tiny-llama").openapi()
+    schemas, plan = doc["components"]["schemas"], doc["paths"]["/train/plan"]["post"]
+    assert {"const": "max", "type": "string"} in schemas["PlanRequest"]["properties"]["ctx"]["anyOf"]
+    assert "max" not in json.dumps(schemas["TrainRequest"]["properties"]["ctx"])
+    assert plan["requestBody"]["content"]["application/json"]["schema"]["$ref"].endswith("/PlanRequest")
+    answers = plan["responses"]["200"]["content"]["application/json"]["schema"]["anyOf"]
+    assert [a["$ref"].rsplit("/", 1)[1] for a in answers] == ["Plan", "Longest"]
+    assert set(schemas["Longest"]["required"]) == {"ctx", "budget", "max_ctx", "paths"}
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    from serve_process import Server
+
+    s = Server(tmp_path_factory.mktemp("serve") / "state").start()  # tiny-llama
+    yield s
+    s.stop()
+
+
+@pytest.mark.filterwarnings("ignore::FutureWarning")
+def test_the_server_answers_as_the_command_line(server, capsys):
+    """POST /train/plan with "ctx": "max" answers what `remat plan --ctx max --json` prints, path for path; a bad
+    ctx is a 400 naming it, and POST /train takes no "max" (a job runs at one window)."""
+    job = {"data": [{"text": "the cat sat on the mat. " * 6}] * 2, "ctx": "max", "lora": False, "ubatch": 64,
+           "memory_budget": "4MiB"}
+    got = server.ok("POST", "/train/plan", job)
+    assert cli.main(["plan", "--model", "tiny-llama", "--ctx", "max", "--memory-budget", "4MiB", "--full",
+                     "--ubatch", "64", "--json"]) == 0
+    expected = json.loads(capsys.readouterr().out)
+    assert got["ctx"] == "max" and got["budget"] == 4 * MiB and got["max_ctx"] == expected["max_ctx"]
+    assert got["paths"] == expected["paths"] and got["paths"]["window"]["ctx"] > 0
+    for bad in ("maximum", 0, -1, 1.5, None, True):
+        status, out = server.request("POST", "/train/plan", {**job, "ctx": bad})
+        if bad is None:  # not sent: the server's default window
+            assert status == 200 and "policy" in out, out
+            continue
+        assert status == 400 and "ctx" in out["error"]["message"], (bad, out)
+    status, out = server.request("POST", "/train", job)
+    assert status == 400 and "ctx" in out["error"]["message"], out
+
+
+def test_the_command_line_says_when_the_models_maximum_is_the_limit(capsys):
+    assert cli.main(["plan", "--model", "tiny-llama", "--ctx", "max", "--memory-budget", "1GiB", "--full"]) == 0
+    out = capsys.readouterr().out
+    for path in ("window", "walk"):
+        assert f"  {path}: 2,048 tokens (recompute " in out and f"\n{path} at 2,048 tokens: recompute " in out, out
+    assert out.count("the model's maximum context") == 2 and "would plan" not in out, out
