@@ -4,8 +4,9 @@ For each path (the window; the walk, in multiples of `--ubatch`) the longest win
 planning alone (fake weights, nothing of the model's size allocated): a window fits when the smallest plan the
 job's `--recompute` allows is within the budget (what the gate asks, `Planner.choose`: a save-back only adds to a
 rung that fits). Plans grow with the window nearly in a line (the walk's exactly: every size in a chunk's step is
-the cache's length times a constant, plus one), so each probe goes where the line through the two nearest the
-budget meets it (`search`), and the answer is confirmed: the window named fits, the next allowed one does not,
+the cache's length times a constant, plus one; a window's with a part that grows with its square), so each probe
+goes where the line or the quadratic through the probes nearest the budget meets it (`search`), and the answer is
+confirmed: the window named fits, the next allowed one does not,
 unless the model's maximum context is the limit. The gate's own answer at that window (its policy and plans)
 comes with it.
 """
@@ -27,7 +28,8 @@ START = 2048  # the first window probed, unless the model's maximum is shorter
 @dataclass
 class Longest:
     """One path's answer: the longest window that fits (None: not even the shortest), whether the model's maximum
-    context is the limit, the gate's answer there, and what was probed (window: smallest plan's total)."""
+    context is the limit, the gate's answer there, and the windows planned (window: its smallest plan's total among
+    the policies planned there)."""
 
     path: str
     ctx: int | None
@@ -107,8 +109,9 @@ def _search_path(s: TrainSettings, path: str, step: int, limit: int, budget: gat
         t = at(ctx)
         plans = planners.planner(t, budget).plans(StepShape.of(t), policies, world_size)
         best = min(plans, key=lambda k: plans[k].total)
+        answer.probes[ctx] = min(answer.probes.get(ctx, plans[best].total), plans[best].total)
         if policies == allowed:
-            answer.probes[ctx], lead = plans[best].total, best
+            lead = best
             fixed = plans[best].params + plans[best].frozen + plans[best].optimizer
         return plans[best].total
 
