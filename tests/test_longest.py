@@ -31,7 +31,8 @@ def test_search_finds_the_last_window_within_the_budget():
         budget = rng.randrange(base, total(limit) * 2)
         start = min(2048, limit) // step * step
         expected = max((c for c in range(step, limit // step * step + 1, step) if total(c) <= budget), default=None)
-        assert search(total, budget, step, limit // step * step, start or step) == expected
+        for fixed in (0, base, rng.randrange(0, 2 * base)):  # the first guess's part that does not grow: any
+            assert search(total, budget, step, limit // step * step, start or step, fixed) == expected
 
 
 def _check(s: TrainSettings, budget: gate.Budget) -> list:

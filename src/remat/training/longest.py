@@ -4,8 +4,9 @@ For each path (the window; the walk, in multiples of `--ubatch`) the longest win
 planning alone (fake weights, nothing of the model's size allocated): a window fits when the smallest plan the
 job's `--recompute` allows is within the budget (what the gate asks, `Planner.choose`: a save-back only adds to a
 rung that fits). Plans grow with the window nearly in a line (the walk's exactly: every size in a chunk's step is
-the cache's length times a constant, plus one), so each probe goes where the line through the two nearest the
-budget meets it (`search`), and the answer is confirmed: the window named fits, the next allowed one does not,
+the cache's length times a constant, plus one; a window's with a part that grows with its square), so each probe
+goes where the line or the quadratic through the probes nearest the budget meets it (`search`), and the answer is
+confirmed: the window named fits, the next allowed one does not,
 unless the model's maximum context is the limit. The gate's own answer at that window (its policy and plans)
 comes with it.
 """
@@ -27,7 +28,8 @@ START = 2048  # the first window probed, unless the model's maximum is shorter
 @dataclass
 class Longest:
     """One path's answer: the longest window that fits (None: not even the shortest), whether the model's maximum
-    context is the limit, the gate's answer there, and what was probed (window: smallest plan's total)."""
+    context is the limit, the gate's answer there, and the windows planned (window: its smallest plan's total among
+    the policies planned there)."""
 
     path: str
     ctx: int | None
@@ -100,14 +102,17 @@ def _search_path(s: TrainSettings, path: str, step: int, limit: int, budget: gat
         return gate.settled(s.model_copy(update={"ctx": ctx, "path": path}), planners.config, world_size)
 
     lead = allowed[0]  # the policy the search plans: the smallest at the last window planned under every one
+    fixed = 0  # what no window changes (the weights and the optimizer's state): the search's first guess leaves it
 
     def smallest(ctx: int, policies: tuple[str, ...] = allowed) -> int:
-        nonlocal lead
+        nonlocal lead, fixed
         t = at(ctx)
         plans = planners.planner(t, budget).plans(StepShape.of(t), policies, world_size)
         best = min(plans, key=lambda k: plans[k].total)
+        answer.probes[ctx] = min(answer.probes.get(ctx, plans[best].total), plans[best].total)
         if policies == allowed:
-            answer.probes[ctx], lead = plans[best].total, best
+            lead = best
+            fixed = plans[best].params + plans[best].frozen + plans[best].optimizer
         return plans[best].total
 
     # The search plans one policy a window (the smallest where every one was planned); the window after the one
@@ -117,7 +122,7 @@ def _search_path(s: TrainSettings, path: str, step: int, limit: int, budget: gat
     try:
         smallest(start)
         while True:
-            more = search(lambda ctx: smallest(ctx, (lead,)), budget.bytes, step, answer.limit, start)
+            more = search(lambda ctx: smallest(ctx, (lead,)), budget.bytes, step, answer.limit, start, fixed)
             found = more or found
             if more == answer.limit or smallest(step if more is None else more + step) > budget.bytes:
                 break
@@ -141,11 +146,12 @@ def _allowed(recompute: str) -> tuple[str, ...]:
     return (policy_name(recompute),)
 
 
-def search(total: Callable[[int], int], budget: int, step: int, limit: int, start: int) -> int | None:
+def search(total: Callable[[int], int], budget: int, step: int, limit: int, start: int, fixed: int = 0) -> int | None:
     """The largest multiple of `step` in [step, limit] whose `total` is within `budget`, plans growing with the
-    window (None: not even `step`). Each probe goes where the line through the two probes nearest the budget (the
-    bracket's ends, once there is one) meets it, kept inside the bracket; where two probes did not halve the
-    bracket, a bisection. Mostly four to six probes: the line lands on the answer or next to it."""
+    window (None: not even `step`). The second probe is the first's window in proportion to the budget (of what
+    grows with the window: all but `fixed`); then each goes where the line through the two probes nearest the
+    budget meets it, or the quadratic through three, kept inside the bracket; where two probes did not halve the
+    bracket, a bisection. Mostly three to six probes."""
     seen: dict[int, int] = {}
 
     def probe(ctx: int) -> int:
@@ -163,21 +169,23 @@ def search(total: Callable[[int], int], budget: int, step: int, limit: int, star
         if hi - lo <= step:
             return lo or None
         widths += [hi - lo] if lo and hi <= limit else []
-        ctx = min(max(_line(seen, budget, step, limit), lo + step), hi - step)
+        ctx = min(max(_line(seen, budget, step, limit, fixed), lo + step), hi - step)
         if len(widths) > 2 and widths[-1] > widths[-3] // 2 and ctx not in (lo + step, hi - step):
             ctx = (lo + hi) // 2 // step * step  # two probes did not halve the bracket: bisect
 
 
-def _line(seen: dict[int, int], budget: int, step: int, limit: int) -> int:
+def _line(seen: dict[int, int], budget: int, step: int, limit: int, fixed: int = 0) -> int:
     """Where the line through the two probes nearest the budget meets it (the curve through three, once there are
     three that grow with the window), in multiples of `step`."""
     curve = _curve(seen, budget)
     if curve is not None:
         return max(step, min(limit, int(curve // step * step)))
     near = sorted(seen, key=lambda c: abs(seen[c] - budget))[:2]
-    if len(near) < 2:  # one probe: the window in proportion (the plan grows with it; what does not, the weights,
-        c = near[0]  # makes this short of the answer where the probe fits, and a line follows)
-        return max(step, min(limit, int(c * budget / seen[c]) // step * step))
+    if len(near) < 2:  # one probe: the window in proportion to what of the plan grows with it (all but `fixed`)
+        c = near[0]
+        grows = seen[c] - fixed if 0 <= fixed < min(seen[c], budget) else seen[c]
+        room = budget - fixed if grows < seen[c] else budget
+        return max(step, min(limit, int(c * room / grows) // step * step))
     (a, pa), (b, pb) = sorted((c, seen[c]) for c in near)
     slope = (pb - pa) / (b - a) if pb != pa else 0.0
     if slope <= 0:  # flat: the budget is not met between them; the bracket's end will be tried
