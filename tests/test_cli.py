@@ -29,10 +29,11 @@ GiB = 1 << 30
 CATEGORIES = ("params", "frozen", "grads", "optimizer", "graph", "step", "cache", "workspace", "trace", "runtime",
               "total")
 RESIDENT = ("params", "frozen", "optimizer", "cache", "trace", "runtime")
-TINY = ("--ctx", "64", "--batch", "2")  # the tiny presets' shape everywhere below
+TINY = ("--ctx", "64", "--batch", "2", "--dtype", "float32")  # the tiny presets' shape everywhere below
 SMOL_TESTS = ("test_smollm2_recompute_on_off_identical", "test_smollm2_loss_goes_down_on_one_batch",
               "test_smollm2_plan_predicts_the_process_peak", "test_smollm2_plan_from_the_config_is_the_traced_runs")
-SMOL = ("finetune", "--ctx", "32", "--steps", "4", "--json", "--lr", "1e-4")  # default model and data
+# default model and data; float32 pinned, as TINY: `auto` resolves per CPU (conftest.auto_is_float32)
+SMOL = ("finetune", "--ctx", "32", "--steps", "4", "--json", "--lr", "1e-4", "--dtype", "float32")
 TIMEOUT_S = 600  # a hang guard only: a loaded machine makes the SmolLM2 runs minutes long
 
 

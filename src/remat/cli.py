@@ -99,7 +99,7 @@ def parser() -> argparse.ArgumentParser:
     f.add_argument("--json", **as_json)
 
     pl = sub.add_parser("plan", help="memory plan from the config alone; allocates nothing")
-    add_fields(pl, TrainSettings, f"{MODEL_OPTIONS} {LORA_OPTIONS} memory_budget weights", ctx=512)
+    add_fields(pl, TrainSettings, f"{MODEL_OPTIONS} {LORA_OPTIONS} memory_budget weights dtype", ctx=512)
     pl.add_argument("--recompute", default="both", metavar="POLICY",
                     help="both (off and on, the default), a policy (off, on, dots, every:K), or budget / auto: "
                     "the fastest plan within --memory-budget")
@@ -225,6 +225,7 @@ def cmd_finetune(args: argparse.Namespace) -> int:
         + f"frozen: {r['frozen_parameters']:,}",
         f"steps: {r['steps']}  losses: {losses}",
         f"recompute: {r['policy']} ({r['recompute_reason']})",
+        f"compute: {r['dtype']} ({r['dtype_reason']})",
         *([f"path: walk, {r['settings']['walk']} walk in chunks of {r['settings']['ubatch']}"]
           if r["settings"]["path"] == "walk" else []),
         *([f"processes: {r['world_size']} (plans per rank; optimizer state per rank, MiB: "
@@ -243,6 +244,7 @@ def cmd_finetune(args: argparse.Namespace) -> int:
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
+    from remat.core import precision
     from remat.models import load as models
     from remat.training import gate, step
 
@@ -259,12 +261,13 @@ def cmd_plan(args: argparse.Namespace) -> int:
     result: dict[str, Any] = {"model": s.model or "default", "ctx": s.ctx, "batch": s.batch, "path": s.path,
                               "walk": s.walk if s.path == "walk" else None, "loss_chunk": s.loss_chunk,
                               "lora": s.lora, "world_size": args.world_size, "rank_batch": admitted.settings.batch,
-                              "weights": s.weights,
+                              "weights": s.weights, "dtype": admitted.shape.dtype,
+                              "dtype_reason": precision.resolve(s.dtype).reason,
                               "plans": {k: admitted.plans[k].as_dict() for k in shown}}
     if gated:
         result |= {"policy": admitted.policy, "reason": admitted.choice.reason, "plan": admitted.plan.as_dict(),
                    "budget": admitted.budget.bytes, "budget_source": str(admitted.budget)}
-    human = table(result["plans"])
+    human = table(result["plans"]) + f"\ncompute: {result['dtype']} ({result['dtype_reason']})"
     if args.world_size > 1:
         human = (f"per rank of {args.world_size} processes (batch {admitted.settings.batch} of {s.batch}; "
                  "optimizer state sharded as ZeRO does it):\n") + human

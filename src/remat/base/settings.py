@@ -157,6 +157,10 @@ class TrainSettings(BaseModel):
     lora_dropout: float = Field(0.0, ge=0, lt=1, description="LoRA dropout")
     lora_targets: Names | None = Field(None, description="comma-separated module names (default: every linear "
                                        "layer of the decoder)")
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+        "auto", description="the dtype the step computes in, as autocast's mixed precision (trainable weights, AdamW's "
+        "state and the loss stay float32); auto: bfloat16 where the hardware computes it natively (a CPU with "
+        "AVX512-BF16 or AMX, CUDA), else float32")
     weights: Annotated[WeightMix | None, BeforeValidator(lambda v: v.lower() if isinstance(v, str) else v)] = Field(
         None, description="plan only: the frozen weights at a GGUF file type, each tensor at the type llama.cpp's "
         "quantizer gives it (default: as the model stores them: a GGUF's own types, a preset in float32)")

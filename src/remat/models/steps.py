@@ -28,34 +28,60 @@ import torch
 from torch import nn
 from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicOutputShapeException
 
-from remat.core import alias
+from remat.core import alias, precision
 from remat.core.capture import Recorder, Seeded, into, trace
 from remat.core.graph import TrainGraph
 from remat.models import delta_rule
 from remat.models.hf import UnsupportedModel, causal_lm, causal_lm_loss, model_loss, prepare
 from remat.models.hf_cache import ExactWalkCache, Probes, WalkCache
-from remat.models.stored import compute_dtype
+from remat.models.stored import compute_dtype, made_in
 
 
 def window_step(model: nn.Module, input_ids: torch.Tensor, labels: torch.Tensor, *, loss_chunk: int = 0,
-                recorder: Recorder | None = None) -> TrainGraph:
-    """Trace the train step of `model` on a batch of this shape into a TrainGraph.
+                recorder: Recorder | None = None, dtype: torch.dtype = torch.float32) -> TrainGraph:
+    """Trace the train step of `model` on a batch of this shape into a TrainGraph, its forward computing in
+    `dtype` (`remat.core.precision`: autocast's mixed precision; float32 traces the model as it is).
 
     Nothing of the step is computed: tracing runs on FakeTensors, and each node's
     `meta["val"]` carries shape, dtype, strides and storage for the planner.
     """
     try:
         return _traced(model, functools.partial(causal_lm_loss, loss_chunk=loss_chunk),
-                       {"input_ids": ("input", input_ids), "labels": ("input", labels)}, recorder,
+                       {"input_ids": ("input", input_ids), "labels": ("input", labels)}, recorder, dtype,
                        info={"shape": tuple(input_ids.shape), "loss_chunk": loss_chunk})
     except (DataDependentOutputException, DynamicOutputShapeException) as e:
         raise UnsupportedModel(reads_values(model, e)) from None
 
 
-def _traced(model: nn.Module, loss_fn, inputs: dict, recorder: Recorder | None, **kwargs) -> TrainGraph:
+def _traced(model: nn.Module, loss_fn, inputs: dict, recorder: Recorder | None, dtype: torch.dtype,
+            **kwargs) -> TrainGraph:
     prepare(model)  # the marks and attention, before the tensors are listed
-    with delta_rule.swapped(model):
-        return trace(model, loss_fn, inputs, recorder=recorder, workspaces=delta_rule.WORKSPACES, **kwargs)
+    if dtype != torch.float32:  # the forward reads the weights in the compute dtype (`remat.core.precision`)
+        loss_fn = functools.partial(in_compute_dtype, loss_fn, dtype)
+    with delta_rule.swapped(model), made_in(model, dtype):
+        tg = trace(model, loss_fn, inputs, recorder=recorder, workspaces=delta_rule.WORKSPACES, **kwargs)
+    if dtype != torch.float32:
+        precision.casts_where_read(tg)
+    return tg
+
+
+class _Call(nn.Module):
+    # functional_call swaps tensors on a module's whole tree: `fn(module, ...)` as one call on it.
+    def __init__(self, module: nn.Module, fn):
+        super().__init__()
+        self.module, self.fn = module, fn
+
+    def forward(self, *args, **kwargs):
+        return self.fn(self.module, *args, **kwargs)
+
+
+def in_compute_dtype(fn, dtype: torch.dtype, module: nn.Module, *args, **kwargs):
+    """`fn(module, *args, **kwargs)` with every float parameter of the module read in `dtype`: cast once (tied
+    weights share the cast), its gradient flowing back through the cast in its own dtype. Stored weights are made in
+    `dtype` by the caller (`stored.made_in`)."""
+    cast = {f"module.{name}": p.to(dtype) for name, p in module.named_parameters()
+            if p.is_floating_point() and p.dtype != dtype}
+    return torch.func.functional_call(_Call(module, fn), cast, args, kwargs, strict=False)
 
 
 def reads_values(model: nn.Module, e: BaseException) -> str:
@@ -77,11 +103,17 @@ def reads_values(model: nn.Module, e: BaseException) -> str:
 KV = ("k.", "v.")  # cache names of attention layers' keys and values; the others are carried states
 
 
-def new_state(model: nn.Module, batch: int, ctx: int, probes: Probes | None = None) -> dict[str, torch.Tensor]:
-    """The walk's cache and carried states for a window, zeroed."""
-    dtype, device = compute_dtype(model), next(model.parameters()).device  # quant: a first parameter may be bytes
+def state_dtype(model: nn.Module, dtype: torch.dtype) -> torch.dtype:
+    """The dtype of the walk's cache and states: what the step computes in (a float32 step: the model's own)."""
+    return compute_dtype(model) if dtype == torch.float32 else dtype
+
+
+def new_state(model: nn.Module, batch: int, ctx: int, probes: Probes | None = None,
+              dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
+    """The walk's cache and carried states for a window, zeroed, for a step computing in `dtype`."""
+    held, device = state_dtype(model, dtype), next(model.parameters()).device  # quant: a first parameter may be bytes
     shapes = (probes or Probes(model)).state_shapes(batch, ctx)
-    return {k: torch.zeros(s, dtype=dtype, device=device) for k, s in shapes.items()}
+    return {k: torch.zeros(s, dtype=held, device=device) for k, s in shapes.items()}
 
 
 def carried(names: list[str]) -> list[str]:
@@ -126,20 +158,21 @@ def exact_chunk_loss(model: nn.Module, *inputs: torch.Tensor, names: list[str], 
 
 
 def chunk_step(model: nn.Module, batch: int, ctx: int, ubatch: int, *, loss_chunk: int = 0, exact: bool = False,
-               probes: Probes | None = None, recorder: Recorder | None = None) -> TrainGraph:
+               probes: Probes | None = None, recorder: Recorder | None = None,
+               dtype: torch.dtype = torch.float32) -> TrainGraph:
     """Trace one walk chunk's step: placeholders are the model's tensors, the states (and, exact, their
     gradient buffers), offset, target count, batch, then the window's gradient sums (`capture.trace`'s
     `accumulate`: the chunk adds its grads into them and returns them)."""
     if ctx % ubatch:
         raise ValueError(f"--ctx {ctx} is not a multiple of --ubatch {ubatch}")
     shapes = (probes or Probes(model)).state_shapes(batch, ctx)
-    dtype = compute_dtype(model)
+    held = state_dtype(model, dtype)
     names = list(shapes)
     # exact: the cache and start states are differentiated (their gradient leaves the step into the buffers)
-    inputs = {name: ("state", torch.zeros(shape, dtype=dtype, requires_grad=exact)) for name, shape in shapes.items()}
+    inputs = {name: ("state", torch.zeros(shape, dtype=held, requires_grad=exact)) for name, shape in shapes.items()}
     if exact:
-        inputs |= {f"grad.{k}": ("state", torch.zeros(shapes[k], dtype=dtype)) for k in names}
-        inputs |= {f"grad_start.{k}": ("state", torch.zeros(shapes[k], dtype=dtype)) for k in carried(names)}
+        inputs |= {f"grad.{k}": ("state", torch.zeros(shapes[k], dtype=held)) for k in names}
+        inputs |= {f"grad_start.{k}": ("state", torch.zeros(shapes[k], dtype=held)) for k in carried(names)}
     inputs |= {
         "offset": ("input", torch.zeros((), dtype=torch.long)),
         "n_targets": ("input", torch.ones((), dtype=torch.float32)),
@@ -152,7 +185,7 @@ def chunk_step(model: nn.Module, batch: int, ctx: int, ubatch: int, *, loss_chun
     info = {"shape": (batch, ubatch), "ctx": ctx, "path": "walk", "walk": "exact" if exact else "truncated",
             "loss_chunk": loss_chunk, "saved_states": starts}
     try:
-        tg = _traced(model, loss, inputs, recorder, info=info, accumulate=True)  # one set: the window's sums
+        tg = _traced(model, loss, inputs, recorder, dtype, info=info, accumulate=True)  # one set: the window's sums
     except (DataDependentOutputException, DynamicOutputShapeException) as e:
         # with a cache: learned positions read from the cache's length (MPT, XGLM), or routing read as values
         raise UnsupportedModel(f"the walk path does not support {reads_values(model, e)}") from None

@@ -21,7 +21,7 @@ from torch._subclasses.fake_tensor import FakeTensor
 
 from remat.base import collector
 from remat.base.settings import GateRefused, TrainSettings
-from remat.core import policies
+from remat.core import policies, precision
 from remat.core.graph import TrainGraph
 from remat.core.plan import Plan, mib, plan, rank_share
 from remat.core.recompute import Rewriter, keep_reasons, saved_nodes
@@ -41,11 +41,17 @@ class StepShape:
     ubatch: int | None  # walk: tokens per chunk
     loss_chunk: int
     walk: str | None = None  # walk: "exact" or "truncated"
+    dtype: str = "float32"  # what the step computes in (`remat.core.precision`), `auto` resolved
 
     @classmethod
     def of(cls, s: TrainSettings) -> StepShape:
         on_walk = s.path == "walk"
-        return cls(s.path, s.batch, s.ctx, s.ubatch if on_walk else None, s.loss_chunk, s.walk if on_walk else None)
+        return cls(s.path, s.batch, s.ctx, s.ubatch if on_walk else None, s.loss_chunk, s.walk if on_walk else None,
+                   precision.resolve(s.dtype).name)
+
+    @property
+    def compute(self) -> torch.dtype:
+        return precision.DTYPES[self.dtype]
 
 
 def policy_name(policy: str | bool) -> str:
@@ -123,14 +129,16 @@ class Planner:
     def _build(self, at: _Step, name: str) -> TrainGraph:
         graphs = at.kept.graphs
         if name not in graphs:
-            chosen = at.kept.saved_back.get(name) or self._policy(name)
+            chosen = at.kept.saved_back.get(name) or self._policy(name, at.shape)
             graphs[name] = self._traced_step(at) if chosen is None else self._rewriter(at)(chosen)
         return graphs[name]
 
-    def _policy(self, name: str) -> policies.Policy | None:
-        """The policy named; for off, None (the trace as it is), but where the model holds stored weights the
-        trace rewritten to recompute their float copies alone (quant: `policies.ALWAYS_RECOMPUTED`)."""
-        return policies.parse(name) or (policies.everything() if self.stored else None)
+    def _policy(self, name: str, shape: StepShape) -> policies.Policy | None:
+        """The policy named; for off, None (the trace as it is), but where the step makes weights float (stored
+        ones, quant) or casts them (a compute dtype other than float32) the trace rewritten to recompute those copies
+        alone (`policies.always_recomputed`)."""
+        recast = self.stored or shape.dtype != "float32"  # weights made float, or cast, in the step
+        return policies.parse(name) or (policies.everything() if recast else None)
 
     def _traced_step(self, at: _Step) -> TrainGraph:
         """The step as traced, before any rewrite (a float model's off)."""
@@ -157,7 +165,8 @@ class Planner:
         if shape.path == "walk":
             assert shape.ubatch is not None
             return chunk_step(self.model, shape.batch, shape.ctx, shape.ubatch, loss_chunk=shape.loss_chunk,
-                              exact=shape.walk != "truncated", probes=self.probes, recorder=record.record)
+                              exact=shape.walk != "truncated", probes=self.probes, recorder=record.record,
+                              dtype=shape.compute)
         stamper = self._stamper(at)
         return stamper.graph() if stamper is not None else self._traced(shape)
 
@@ -166,7 +175,8 @@ class Planner:
         ids = torch.zeros(shape.batch, shape.ctx, dtype=torch.long)
 
         def whole() -> TrainGraph:  # two tensors: two inputs
-            return window_step(self.model, ids, ids.clone(), loss_chunk=shape.loss_chunk, recorder=record.record)
+            return window_step(self.model, ids, ids.clone(), loss_chunk=shape.loss_chunk, recorder=record.record,
+                               dtype=shape.compute)
 
         if self.planning:
             with contextlib.suppress(stamp.NotStampable):
@@ -203,7 +213,7 @@ class Planner:
     def _planned(self, at: _Step, name: str) -> Plan:
         if name in at.kept.graphs:  # a graph already made
             return plan(self._build(at, name))
-        chosen = self._policy(name)
+        chosen = self._policy(name, at.shape)
         stamper = self._stamper(at) if name in LAYERS_ALIKE else None
         if stamper is not None:  # planned from the few layers traced, rewritten: no graph of the whole step
             with contextlib.suppress(stamp.NotStampable):

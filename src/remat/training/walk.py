@@ -17,16 +17,18 @@ from torch import nn
 from remat.core.graph import StepInputs
 from remat.models.hf import decoder_of
 from remat.models.hf_cache import Probes, WalkCache
-from remat.models.steps import KV, carried, new_state
+from remat.models.steps import KV, carried, in_compute_dtype, new_state
+from remat.models.stored import made_in
 
 
 class Walk:
     """A window's chunks, in the order their steps run, and the buffers that pass between them."""
 
-    def __init__(self, model: nn.Module, batch: int, ctx: int, ubatch: int, exact: bool, probes: Probes | None = None):
-        self.model, self.ctx, self.ubatch, self.exact = model, ctx, ubatch, exact
+    def __init__(self, model: nn.Module, batch: int, ctx: int, ubatch: int, exact: bool, probes: Probes | None = None,
+                 dtype: torch.dtype = torch.float32):
+        self.model, self.ctx, self.ubatch, self.exact, self.dtype = model, ctx, ubatch, exact, dtype
         self.params = list(StepInputs.of(model).trainable.values())
-        self.state = new_state(model, batch, ctx, probes)
+        self.state = new_state(model, batch, ctx, probes, dtype)
         self.carried = carried(list(self.state))
         self.grad = {k: torch.zeros_like(t) for k, t in self.state.items()} if exact else {}
         self.grad_start = {k: torch.zeros_like(self.state[k]) for k in self.carried} if exact else {}
@@ -67,12 +69,12 @@ class Walk:
         cache, and return each chunk's start state (conv, recurrent)."""
         decoder = decoder_of(self.model)
         start_states = []
-        with torch.no_grad():
+        with torch.no_grad(), made_in(decoder, self.dtype):  # in the dtype each chunk's step computes in
             for start in range(0, self.ctx, self.ubatch):
                 before_chunk()
                 start_states.append({k: self.state[k].clone() for k in self.carried})
                 cache = WalkCache(self.state, torch.tensor(start), self.ubatch)
                 ids = input_ids[:, start:start + self.ubatch]
-                decoder(input_ids=ids, position_ids=cache.positions[None].expand(ids.shape[0], -1), cache=cache,
-                        use_cache=True)
+                in_compute_dtype(nn.Module.__call__, self.dtype, decoder, input_ids=ids, cache=cache, use_cache=True,
+                                 position_ids=cache.positions[None].expand(ids.shape[0], -1))
         return start_states

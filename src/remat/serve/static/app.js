@@ -355,6 +355,8 @@ async function trainRequest() {
   const rank = $("#t-rank").value.trim();
   if (rank !== "") req.lora = Number(rank) === 0 ? false : {r: Number(rank)};
   req.recompute = $("#t-recompute").value;  // a policy: auto, budget, off, on, dots, every:K
+  const dtype = $("#t-dtype").value;  // auto (not sent: the server's default), float32, bfloat16, float16
+  if (dtype !== "auto") req.dtype = dtype;
   const budget = $("#t-budget-input").value.trim();
   if (budget) req.memory_budget = /^[0-9]+$/.test(budget) ? budget + "MiB" : budget;  // a bare number: MiB
   return req;

@@ -1,0 +1,126 @@
+"""The compute dtype of a step: mixed precision with float32 master weights.
+
+The step's forward reads every float parameter in the compute dtype (`--dtype`): a trainable float32 weight is cast
+where the forward reads it, and its gradient flows back through the cast into float32; a stored weight is
+dequantized into the compute dtype at once (`remat.models.stored`). So the model computes as it would loaded in that
+dtype (its activations, the residual stream, its own float32 islands: norms, softmax, rotary tables), while its
+trainable weights, their grads and AdamW's state stay float32, and the loss is float32 (`hf.causal_lm_loss`
+upcasts the logits, as transformers' own loss does). The oracle (tests/test_precision.py): the model's own forward
+and backward with its parameters in that dtype, bitwise.
+
+`auto` takes bfloat16 where the hardware computes it natively (a CPU with AVX512-BF16 or AMX, a CUDA device that
+supports it), else float32; `resolve` says which and why.
+
+Casts cost one pass over their values to remake, and a weight's copy in the compute dtype is a weight's worth of
+memory: a cast of a placeholder (a weight read in the compute dtype), an upcast (a norm's float32 island: its input
+is the smaller value, and saved anyway) and the loss's float32 log-probabilities (remade from the logits in the
+compute dtype, half their bytes) are never saved for the backward (`never_saved`, `policies.always_recomputed`), and
+a weight's cast is made where the forward first reads it (`casts_where_read`), not at the step's start.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import fx
+
+from remat.base.settings import UsageError
+from remat.core.graph import TrainGraph
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# CPU flags of instructions that compute bfloat16 products natively (Linux's names in /proc/cpuinfo)
+NATIVE_BF16 = ("avx512_bf16", "amx_bf16")
+CAST = torch.ops.aten._to_copy.default
+SOFTMAX = frozenset({torch.ops.aten._log_softmax.default, torch.ops.aten._softmax.default})
+
+__all__ = ["CAST", "DTYPES", "Precision", "casts_where_read", "never_saved", "resolve"]
+
+
+@dataclass(frozen=True)
+class Precision:
+    """The dtype a step computes in, and why it was chosen."""
+
+    dtype: torch.dtype
+    reason: str
+
+    @property
+    def name(self) -> str:
+        return str(self.dtype).removeprefix("torch.")
+
+
+@functools.cache
+def _cpu_flags() -> frozenset[str]:
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return frozenset()
+    line = next((x for x in text.splitlines() if x.startswith("flags")), "")
+    return frozenset(line.partition(":")[2].split())
+
+
+def _native_bf16_cpu() -> str | None:
+    """The CPU's instructions that compute bfloat16 natively, or None."""
+    found = [f.upper().replace("_", "-") for f in NATIVE_BF16 if f in _cpu_flags()]
+    if not found and "AMX" in torch.backends.cpu.get_cpu_capability():  # no /proc/cpuinfo: torch's own dispatch
+        found = ["AMX"]
+    return ", ".join(found) or None
+
+
+@functools.cache
+def resolve(asked: str, device: str = "cpu") -> Precision:
+    """The dtype `--dtype asked` computes in on `device` ("cpu", "cuda", "cuda:N"), and why; UsageError for a dtype
+    the device cannot run."""
+    kind = torch.device(device).type
+    if asked != "auto":
+        if asked not in DTYPES:
+            raise UsageError(f"--dtype {asked}: not one of auto, {', '.join(DTYPES)}")
+        if kind == "cuda" and asked == "bfloat16" and not torch.cuda.is_bf16_supported():
+            raise UsageError(f"--dtype bfloat16: {torch.cuda.get_device_name(device)} cannot compute bfloat16")
+        return Precision(DTYPES[asked], f"--dtype {asked}")
+    if kind == "cuda":
+        name = torch.cuda.get_device_name(device)
+        if torch.cuda.is_bf16_supported():
+            return Precision(torch.bfloat16, f"auto: {name} computes bfloat16")
+        return Precision(torch.float32, f"auto: {name} has no bfloat16")
+    native = _native_bf16_cpu()
+    if native is not None:
+        return Precision(torch.bfloat16, f"auto: this CPU computes bfloat16 natively ({native})")
+    return Precision(torch.float32, "auto: this CPU has no native bfloat16 (no AVX512-BF16 or AMX)")
+
+
+def _upcast(n: fx.Node) -> bool:
+    made, read = n.meta.get("val"), n.args[0].meta.get("val") if isinstance(n.args[0], fx.Node) else None
+    return (n.target is CAST and isinstance(made, torch.Tensor) and isinstance(read, torch.Tensor)
+            and made.is_floating_point() and read.is_floating_point() and made.element_size() > read.element_size())
+
+
+def never_saved(n: fx.Node) -> bool:
+    """A value of mixed precision that no policy saves, cheaper remade from its input: a cast of a placeholder (a
+    weight read in the compute dtype); an upcast (its input is the smaller value: a norm's float32 island); a
+    softmax of an upcast (the loss's float32 log-probabilities, twice the bytes of the logits they are made from)."""
+    if n.target in SOFTMAX:
+        return isinstance(n.args[0], fx.Node) and _upcast(n.args[0])
+    if n.target is not CAST or not isinstance(n.args[0], fx.Node):
+        return False
+    return n.args[0].op == "placeholder" or _upcast(n)
+
+
+def casts_where_read(tg: TrainGraph) -> int:
+    """Move each cast of a placeholder to just before its first reader: the forward reads its weights' casts at
+    the step's start (`functional_call` casts them all at once), and each would live from there. Returns how many
+    moved."""
+    pos = {n: i for i, n in enumerate(tg.gm.graph.nodes)}
+    moved = 0
+    casts = [n for n in tg.gm.graph.nodes
+             if n.target is CAST and isinstance(n.args[0], fx.Node) and n.args[0].op == "placeholder" and n.users]
+    for n in casts:
+        first = min(n.users, key=pos.__getitem__)
+        if first is not n.next:
+            first.prepend(n)
+            moved += 1
+    if moved:
+        tg.gm.recompile()
+    return moved
