@@ -64,8 +64,8 @@ def add_fields(p: argparse.ArgumentParser, cls: type[BaseModel], names: str, **d
         else:
             choices = get_args(info.annotation) if get_origin(info.annotation) is Literal else ()
             metavar = "{" + ",".join(choices) + "}" if choices else name.upper()
-            if cli.action == "append":  # each value is one item; the whole list is checked with the settings
-                p.add_argument(*flags, default=default, metavar=metavar, action="append", **kwargs)
+            if cli.action in ("append", "store"):  # append: each value is one item; checked with the settings
+                p.add_argument(*flags, default=default, metavar=metavar, action=cli.action, **kwargs)
             else:
                 p.add_argument(*flags, type=_field_type(cls, name), default=default, metavar=metavar, **kwargs)
 

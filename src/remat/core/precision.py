@@ -28,6 +28,8 @@ import torch
 from torch import fx
 
 from remat.base.settings import UsageError
+from remat.core import alias
+from remat.core.capture import copied_value
 from remat.core.graph import TrainGraph
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -109,18 +111,61 @@ def never_saved(n: fx.Node) -> bool:
 
 
 def casts_where_read(tg: TrainGraph) -> int:
-    """Move each cast of a placeholder to just before its first reader: the forward reads its weights' casts at
-    the step's start (`functional_call` casts them all at once), and each would live from there. Returns how many
-    moved."""
-    pos = {n: i for i, n in enumerate(tg.gm.graph.nodes)}
-    moved = 0
-    casts = [n for n in tg.gm.graph.nodes
+    """Make each cast of a placeholder (a weight read in the compute dtype) where it is read: the forward's just
+    before its first forward reader (`functional_call` casts them all at the step's start, and each would live
+    from there), and, for each backward reader of it or of a view made of it alone (a transpose), a cast of its
+    own (and the views) just before that reader: the same ops on the same weight, the same values. So no cast
+    lives from the forward into the backward, nor from one backward reader to the next (a tied head's weight,
+    read by every loss piece's backward: 54 MiB of SmolLM2's in bfloat16, alive through each piece's float32
+    log-softmax backward). Returns how many casts moved or were made."""
+    graph = tg.gm.graph
+    pos = {n: i for i, n in enumerate(graph.nodes)}
+    end = pos[tg.boundary]
+    changed = 0
+    casts = [n for n in graph.nodes
              if n.target is CAST and isinstance(n.args[0], fx.Node) and n.args[0].op == "placeholder" and n.users]
     for n in casts:
-        first = min(n.users, key=pos.__getitem__)
+        for made, reader in _backward_reads(n, pos, end):
+            with graph.inserting_before(reader):
+                own = _made_again(graph, made)
+            reader.replace_input_with(made[-1], own)
+            changed += 1
+            for old in reversed(made[1:]):  # the views the backward no longer reads
+                if not old.users:
+                    graph.erase_node(old)
+        if not n.users:
+            graph.erase_node(n)
+            continue
+        first = min(n.users, key=lambda u: pos.get(u, -1))
         if first is not n.next:
             first.prepend(n)
-            moved += 1
-    if moved:
+            changed += 1
+    if changed:
+        graph.lint()
         tg.gm.recompile()
-    return moved
+    return changed
+
+
+def _backward_reads(cast: fx.Node, pos: dict[fx.Node, int], end: int) -> list[tuple[list[fx.Node], fx.Node]]:
+    """Each backward node reading `cast` or a view made of it alone (a transpose, the forward's or the
+    backward's own), with the chain that makes what it reads: the cast, then the views. A view's value shares
+    its input's storage, so the backward's views are made again with the cast, not kept reading the old one."""
+    found, stack = [], [[cast]]
+    while stack:
+        chain = stack.pop()
+        for u in list(chain[-1].users):
+            if alias.view_source(u) is chain[-1] and u.all_input_nodes == [chain[-1]]:
+                stack.append([*chain, u])
+            elif pos[u] > end:
+                found.append((chain, u))
+    return sorted(found, key=lambda x: pos[x[1]])
+
+
+def _made_again(graph: fx.Graph, chain: list[fx.Node]) -> fx.Node:
+    """The chain's nodes copied in order (each reading the copy before), with values of their own."""
+    made: dict[fx.Node, fx.Node] = {}
+    for n in chain:
+        copy = graph.node_copy(n, lambda a: made.get(a, a))
+        copy.meta = {**n.meta, "val": copied_value(n, copy)}
+        made[n] = copy
+    return made[chain[-1]]
