@@ -15,7 +15,9 @@ Casts cost one pass over their values to remake, and a weight's copy in the comp
 memory: a cast of a placeholder (a weight read in the compute dtype), an upcast (a norm's float32 island: its input
 is the smaller value, and saved anyway) and the loss's float32 log-probabilities (remade from the logits in the
 compute dtype, half their bytes) are never saved for the backward (`never_saved`, `policies.always_recomputed`), and
-a weight's cast is made where the forward first reads it (`casts_where_read`), not at the step's start.
+a weight's cast is made where the forward first reads it, and again by each backward reader (`casts_where_read`),
+not at the step's start; its grad is made float32 where the grad is made (`upcasts_where_made`), not at the end.
+float16 runs without loss scaling (a gradient below float16's range flushes to zero): prefer bfloat16.
 """
 
 from __future__ import annotations
@@ -169,3 +171,38 @@ def _made_again(graph: fx.Graph, chain: list[fx.Node]) -> fx.Node:
         copy.meta = {**n.meta, "val": copied_value(n, copy)}
         made[n] = copy
     return made[chain[-1]]
+
+
+def upcasts_where_made(tg: TrainGraph) -> int:
+    """Move each upcast of a backward value (a weight's grad in the compute dtype made float32: its cast's
+    backward), and an in-place sum of it into a buffer of the step's (the walk's gradient sums), to just after
+    the value is made. Autograd runs a cast's backward once its grad is whole, and the forward made every weight's
+    cast at its start (`functional_call`), so each came at the very end of the backward, and every layer's grad
+    in the compute dtype lived until then. The same ops on the same values, earlier. Returns how many moved."""
+    graph = tg.gm.graph
+    nodes = list(graph.nodes)
+    pos = {n: i for i, n in enumerate(nodes)}
+    end = pos[tg.boundary]
+    moved = 0
+    for n in nodes[end + 1:]:
+        made = n.args[0] if n.target is CAST and n.args else None
+        if not isinstance(made, fx.Node) or pos[made] <= end or not _upcast(n) or made.next is n:
+            continue
+        between = nodes[pos[made] + 1:pos[n]]
+        if any(alias.is_mutating(x) and made in x.all_input_nodes for x in between):
+            continue  # written after it is made: the upcast reads the value as it is at its place
+        after = made
+        for x in [n, *(u for u in n.users if alias.is_mutating(u) and _reads_only(u, n))]:
+            after.append(x)
+            after = x
+            moved += 1
+    if moved:
+        graph.lint()
+        tg.gm.recompile()
+    return moved
+
+
+def _reads_only(node: fx.Node, value: fx.Node) -> bool:
+    """Whether `node` reads `value` and otherwise placeholders alone (an in-place sum into a step's buffer)."""
+    return all(a is value or a.op == "placeholder" for a in node.all_input_nodes)
+

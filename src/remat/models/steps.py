@@ -62,6 +62,7 @@ def _traced(model: nn.Module, loss_fn, inputs: dict, recorder: Recorder | None, 
         tg = trace(model, loss_fn, inputs, recorder=recorder, workspaces=delta_rule.WORKSPACES, **kwargs)
     if dtype != torch.float32:
         precision.casts_where_read(tg)
+        precision.upcasts_where_made(tg)
     return tg
 
 
