@@ -119,12 +119,14 @@ def lora_pair(path, **load) -> tuple[torch.nn.Module, torch.nn.Module]:
     return adapters.apply_lora(stored_base, lora, seed=1), adapters.apply_lora(transformers_model(path), lora, seed=1)
 
 
-@pytest.mark.parametrize("path_kind, policy", [("window", "off"), ("window", "on"), ("exact", "off"),
-                                               ("exact", "on"), ("truncated", "on")])
-def test_a_step_on_stored_weights_is_the_float_models_step(gguf_path, path_kind, policy):
-    """Loss and every grad, bitwise: the dequantized weight is the float model's, the ops the same."""
-    s = TrainSettings(ctx=CTX, recompute=policy, dtype="float32", **({} if path_kind == "window" else
-                                                    {"path": "walk", "ubatch": 16, "walk": path_kind}))
+@pytest.mark.parametrize("path_kind, policy, dtype", [
+    ("window", "off", "float32"), ("window", "on", "float32"), ("exact", "off", "float32"), ("exact", "on", "float32"),
+    ("truncated", "on", "float32"), ("window", "off", "bfloat16"), ("exact", "on", "bfloat16")])
+def test_a_step_on_stored_weights_is_the_float_models_step(gguf_path, path_kind, policy, dtype):
+    """Loss and every grad, bitwise: the dequantized weight is the float model's, the ops the same. In bfloat16 too:
+    a stored weight is dequantized straight into it (`stored.made_in`), the float model's cast from float32."""
+    s = TrainSettings(ctx=CTX, recompute=policy, dtype=dtype, **({} if path_kind == "window" else
+                                                 {"path": "walk", "ubatch": 16, "walk": path_kind}))
     ids, labels = batch()
     results = []
     for model in lora_pair(gguf_path):
