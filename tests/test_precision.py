@@ -7,6 +7,7 @@ name, and test `auto`'s resolution with the real `resolve`, taken at import (bef
 from __future__ import annotations
 
 import copy
+import json
 import subprocess
 import sys
 
@@ -101,6 +102,19 @@ def test_cli_dtype_float64_exits_2_with_one_line_and_writes_nothing(tmp_path, co
     assert r.returncode == 2 and r.stdout == "" and len(lines) == 1, r
     assert lines[0].startswith("remat: error:") and "dtype" in lines[0] and "float64" in lines[0], r
     assert not out.exists() and [p.name for p in tmp_path.iterdir()] == [], list(tmp_path.iterdir())
+
+
+def test_the_cli_says_what_the_step_computes_in(tmp_path):
+    """`remat plan --json` and `remat finetune`'s printed summary name the dtype and why (a subprocess: no pin)."""
+    def remat(*argv: str) -> str:
+        r = subprocess.run([sys.executable, "-m", "remat", *argv, "--model", "tiny-llama", "--ctx", "32"],
+                           capture_output=True, text=True, timeout=300, cwd=tmp_path, check=False)
+        assert r.returncode == 0, r
+        return r.stdout
+
+    planned = json.loads(remat("plan", "--json", "--dtype", "bfloat16"))
+    assert (planned["dtype"], planned["dtype_reason"]) == ("bfloat16", "--dtype bfloat16")
+    assert "compute: float32 (--dtype float32)" in remat("finetune", "--steps", "1", "--dtype", "float32").splitlines()
 
 
 def test_the_suite_pins_auto_to_float32():
