@@ -80,6 +80,8 @@ def in_compute_dtype(fn, dtype: torch.dtype, module: nn.Module, *args, **kwargs)
     """`fn(module, *args, **kwargs)` with every float parameter of the module read in `dtype`: cast once (tied
     weights share the cast), its gradient flowing back through the cast in its own dtype. Stored weights are made in
     `dtype` by the caller (`stored.made_in`)."""
+    if dtype == torch.float32:  # a float32 step computes as the model is (a float64 one too): the call as it is
+        return fn(module, *args, **kwargs)
     cast = {f"module.{name}": p.to(dtype) for name, p in module.named_parameters()
             if p.is_floating_point() and p.dtype != dtype}
     return torch.func.functional_call(_Call(module, fn), cast, args, kwargs, strict=False)
