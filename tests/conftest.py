@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 
+from remat.core import precision
 from remat.core.graph import StepInputs, TrainGraph
 from remat.core.recompute import rewrite
 from remat.models.hf import causal_lm_loss
@@ -82,6 +83,24 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if item.get_closest_marker("cuda") is not None:
             item.add_marker(skip)
+# What `--dtype auto` resolves to in the suite's own process (see `auto_is_float32`).
+PINNED_AUTO = precision.Precision(torch.float32, "auto: float32, pinned by the test suite")
+
+
+@pytest.fixture(scope="session", autouse=True)
+def auto_is_float32():
+    """`--dtype auto` (the default) resolves per CPU: bfloat16 where the CPU computes it natively (AVX512-BF16,
+    AMX), float32 elsewhere (`remat.core.precision.resolve`). The suite's oracles are transformers' float32 eager
+    model, bitwise, and golden.json is float32, so no test may depend on the CPU it runs on: in this process `auto`
+    means float32, for the whole session (module fixtures included). Tests of auto itself call the real `resolve`,
+    taken at import (test_precision's `REAL_RESOLVE`); bfloat16 tests name `dtype="bfloat16"`; subprocesses (the
+    CLI, torchrun, a server) see no patch, so their tests pass `--dtype float32` (or `"dtype": "float32"`) where
+    they compare with this process or with float32 figures."""
+    real = precision.resolve
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(precision, "resolve", lambda asked, device="cpu": PINNED_AUTO if asked == "auto"
+                   else real(asked, device))
+        yield
 
 
 @pytest.fixture(scope="module")

@@ -45,6 +45,7 @@ def test_the_readme_example_runs_and_answers_as_the_command_line(tmp_path):
     assert len(losses) == 3 and all(x > 0 for x in losses)
     # the gate's answer is `remat plan`'s (the plans from the model's config, on fake weights)
     cli = subprocess.run([sys.executable, "-m", "remat", "plan", "--model", "tiny-llama", "--ctx", "64", "--full",
+                          "--dtype", "float32",
                           "--recompute", "auto", "--memory-budget", str(1 << 30) + "B", "--json"],
                          capture_output=True, text=True, check=True, cwd=tmp_path)
     answer = json.loads(cli.stdout)

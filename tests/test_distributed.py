@@ -22,7 +22,7 @@ from remat.base.settings import TrainSettings
 from remat.training.train import finetune
 
 TORCHRUN = str(Path(sys.executable).with_name("torchrun"))
-BASE = {"ctx": 32, "batch": 2, "steps": 3}
+BASE = {"ctx": 32, "batch": 2, "steps": 3, "dtype": "float32"}  # torchrun's ranks see no conftest
 # the configurations of the equality test: tiny-llama and tiny-qwen35, LoRA and full, recompute on and off
 CASES = {f"{m}-{'lora' if lora else 'full'}-{rc}": {**BASE, "model": m, "lora": lora, "recompute": rc}
          for m in ("tiny-llama", "tiny-qwen35") for lora in (True, False) for rc in ("off", "on")}
@@ -117,7 +117,8 @@ def test_the_cli_the_trainer_the_ranks_and_the_server_get_one_answer(runs, tmp_p
     def cli(world: int) -> dict:
         r = subprocess.run([sys.executable, "-m", "remat", "plan", "--model", "tiny-llama", "--ctx", "32", "--batch",
                             "2", "--recompute", "budget", "--memory-budget", f"{GATED['memory_budget']}B",
-                            "--world-size", str(world), "--json"], capture_output=True, text=True, check=True,
+                            "--world-size", str(world),
+                            "--dtype", "float32", "--json"], capture_output=True, text=True, check=True,
                            env=_env())
         answer = json.loads(r.stdout)
         return {"policy": answer["policy"], "plans": _answer(answer["plans"])}
@@ -170,8 +171,8 @@ def test_a_killed_rank_stops_the_other_and_its_checkpoint_resumes(runs, tmp_path
     survivor itself): rank 1 is killed after the checkpoint of step 2; rank 0 must leave with one line,
     not hang. Then `torchrun -m remat finetune --resume` continues with the uninterrupted run's losses."""
     killed = tmp_path / "killed"
-    args = ["--model", "tiny-llama", "--ctx", "32", "--batch", "2", "--lora-dropout", "0.1", "--epochs", "1000",
-            "--save-every", "2", "--out", str(killed), "--json"]
+    args = ["--dtype", "float32", "--model", "tiny-llama", "--ctx", "32", "--batch", "2", "--lora-dropout", "0.1",
+            "--epochs", "1000", "--save-every", "2", "--out", str(killed), "--json"]
     env = {**_env(), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()), "WORLD_SIZE": "2",
            "LOCAL_WORLD_SIZE": "2"}
     procs = [subprocess.Popen([sys.executable, "-m", "remat", "finetune", *args], stdout=subprocess.PIPE,

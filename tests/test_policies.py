@@ -227,7 +227,7 @@ def test_cli_plan_budget_below_the_smallest_plan_exits_3_naming_it(tmp_path):
 
     def remat_plan(budget: int, *extra: str) -> subprocess.CompletedProcess:
         args = ["plan", "--model", "tiny-llama", "--ctx", "64", "--recompute", "budget", "--full",
-                "--memory-budget", f"{budget}B", *extra]
+                "--memory-budget", f"{budget}B", "--dtype", "float32", *extra]
         return subprocess.run([sys.executable, "-m", "remat", *args], capture_output=True, text=True,
                               env=env, cwd=tmp_path, timeout=600, check=False)
 

@@ -64,8 +64,8 @@ def add_fields(p: argparse.ArgumentParser, cls: type[BaseModel], names: str, **d
         else:
             choices = get_args(info.annotation) if get_origin(info.annotation) is Literal else ()
             metavar = "{" + ",".join(choices) + "}" if choices else name.upper()
-            if cli.action == "append":  # each value is one item; the whole list is checked with the settings
-                p.add_argument(*flags, default=default, metavar=metavar, action="append", **kwargs)
+            if cli.action in ("append", "store"):  # append: each value is one item; checked with the settings
+                p.add_argument(*flags, default=default, metavar=metavar, action=cli.action, **kwargs)
             else:
                 p.add_argument(*flags, type=_field_type(cls, name), default=default, metavar=metavar, **kwargs)
 
@@ -110,7 +110,7 @@ def parser() -> argparse.ArgumentParser:
 
     pl = sub.add_parser("plan", help="memory plan from the config alone; allocates nothing")
     add_fields(pl, TrainSettings, f"{MODEL_OPTIONS.replace(' ctx ', ' ')} {LORA_OPTIONS} memory_budget weights device "
-               "optimizer_in_backward")
+               "dtype optimizer_in_backward")
     pl.add_argument("--ctx", type=_ctx_or_max, default=512, metavar="CTX",
                     help="tokens per window (default 512), or max: the longest window that fits the budget, on the "
                     "window path and on the walk (in multiples of --ubatch)")
@@ -246,6 +246,7 @@ def cmd_finetune(args: argparse.Namespace) -> int:
         + f"frozen: {r['frozen_parameters']:,}",
         f"steps: {r['steps']}  losses: {losses}",
         f"recompute: {r['policy']} ({r['recompute_reason']})",
+        f"compute: {r['dtype']} ({r['dtype_reason']})",
         *([f"path: walk, {r['settings']['walk']} walk in chunks of {r['settings']['ubatch']}"]
           if r["settings"]["path"] == "walk" else []),
         *([f"processes: {r['world_size']} (plans per rank; optimizer state per rank, MiB: "
@@ -264,7 +265,7 @@ def cmd_finetune(args: argparse.Namespace) -> int:
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
-    from remat.core import devices
+    from remat.core import devices, precision
     from remat.models import load as models
     from remat.training import gate, step
 
@@ -287,11 +288,13 @@ def cmd_plan(args: argparse.Namespace) -> int:
                               "lora": s.lora, "device": str(device), "world_size": args.world_size,
                               "rank_batch": admitted.settings.batch, "weights": s.weights,
                               "optimizer_in_backward": admitted.settings.optimizer_in_backward,
+                              "dtype": admitted.shape.dtype, "dtype_reason": precision.resolve(s.dtype).reason,
                               "plans": {k: admitted.plans[k].as_dict() for k in shown}}
     if gated:
         result |= {"policy": admitted.policy, "reason": admitted.choice.reason, "plan": admitted.plan.as_dict(),
                    "budget": admitted.budget.bytes, "budget_source": str(admitted.budget)}
-    human = table(result["plans"]) + "\n" + admitted.updates_note()
+    human = (table(result["plans"]) + "\n" + admitted.updates_note()
+             + f"\ncompute: {result['dtype']} ({result['dtype_reason']})")
     if args.world_size > 1:
         human = (f"per rank of {args.world_size} processes (batch {admitted.settings.batch} of {s.batch}; "
                  "optimizer state sharded as ZeRO does it):\n") + human

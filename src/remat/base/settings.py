@@ -115,7 +115,8 @@ class Cli:
     """How a field appears on the command line when not as `--field-name VALUE`."""
 
     flags: tuple[str, ...] = ()
-    action: str | None = None  # argparse action: "store_true", "store_false", "append"
+    action: str | None = None  # argparse action: "store_true", "store_false", "append"; "store": the text kept
+    # as it is and checked with the settings (a bad value: one error line, not argparse's usage)
 
 
 # ---------------------------------------------------------------------------------------------- training
@@ -170,6 +171,10 @@ class TrainSettings(BaseModel):
     lora_dropout: float = Field(0.0, ge=0, lt=1, description="LoRA dropout")
     lora_targets: Names | None = Field(None, description="comma-separated module names (default: every linear "
                                        "layer of the decoder)")
+    dtype: Annotated[Literal["auto", "float32", "bfloat16", "float16"], Cli(action="store")] = Field(
+        "auto", description="the dtype the step computes in, as autocast's mixed precision (trainable weights, AdamW's "
+        "state and the loss stay float32); auto: bfloat16 where the hardware computes it natively (a CPU with "
+        "AVX512-BF16 or AMX, CUDA), else float32")
     weights: Annotated[WeightMix | None, BeforeValidator(lambda v: v.lower() if isinstance(v, str) else v)] = Field(
         None, description="plan only: the frozen weights at a GGUF file type, each tensor at the type llama.cpp's "
         "quantizer gives it (default: as the model stores them: a GGUF's own types, a preset in float32)")

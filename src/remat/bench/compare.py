@@ -85,7 +85,8 @@ def run_bench(model: str | None, ctx: int, batch: int = 1, steps: int = 3, path:
     if steps < 2:
         raise UsageError(f"--steps must be at least 2 (the first step is the warm-up), got {steps}")
     s = TrainSettings(model=model, ctx=ctx, batch=batch, steps=steps, lr=lr, seed=seed, loss_chunk=loss_chunk,
-                      path=path, ubatch=ubatch, walk=walk, lora=lora)
+                      path=path, ubatch=ubatch, walk=walk, lora=lora,
+                      dtype="float32")  # the variants beside remat's (eager, torch's checkpointing) are float32
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
     def say(text: str) -> None:

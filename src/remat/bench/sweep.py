@@ -273,7 +273,8 @@ def run_sweep(model: str | None, ctx: int, batch: int = 1, steps: int = 3,
     """Plan, run the variants interleaved for `steps` rounds (the first the warm-up), summarize, write."""
     if steps < 2:
         raise UsageError(f"--steps must be at least 2 (the first round is the warm-up), got {steps}")
-    s = TrainSettings(model=model, ctx=ctx, batch=batch, steps=steps, seed=seed, loss_chunk=loss_chunk, lora=lora)
+    s = TrainSettings(model=model, ctx=ctx, batch=batch, steps=steps, seed=seed, loss_chunk=loss_chunk, lora=lora,
+                      dtype="float32")  # as the variants beside remat's (torch's checkpointing, AOTAutograd)
     device = _device()
 
     def say(text: str) -> None:

@@ -28,6 +28,7 @@ from torch.utils.flop_counter import flop_registry
 
 from remat.core import alias
 from remat.core.marks import LAYER_MARK, mark_name
+from remat.core.precision import never_saved
 
 # Matrix products: the values whose recompute costs the most per byte they hold.
 DOTS = frozenset({
@@ -100,8 +101,9 @@ def dots() -> Policy:
 
 
 def always_recomputed(n: fx.Node) -> bool:
-    """Whether the value is made by an op of `ALWAYS_RECOMPUTED`, or is a view of one (a weight's transpose)."""
-    while n.op == "call_function" and n.target not in ALWAYS_RECOMPUTED:
+    """Whether the value is made by an op of `ALWAYS_RECOMPUTED` or is a cast no policy saves (a weight read in the
+    compute dtype, an upcast: `precision.never_saved`), or is a view of one (a weight's transpose)."""
+    while n.op == "call_function" and n.target not in ALWAYS_RECOMPUTED and not never_saved(n):
         source = n.args[0] if n.target in RESHAPES else alias.view_source(n)
         if not isinstance(source, fx.Node):
             return False

@@ -31,39 +31,68 @@ import torch
 from torch import nn
 from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicOutputShapeException, FakeTensor
 
-from remat.core import attention
+from remat.core import attention, precision
 from remat.core.capture import Recorder, Seeded, into, trace
 from remat.core.graph import TrainGraph
 from remat.models import delta_rule
 from remat.models.hf import UnsupportedModel, causal_lm, causal_lm_loss, model_loss, prepare
 from remat.models.hf_cache import ExactWalkCache, Probes, WalkCache, walking
-from remat.models.stored import compute_dtype
+from remat.models.stored import compute_dtype, made_in
 
 
 def window_step(model: nn.Module, input_ids: torch.Tensor, labels: torch.Tensor, *, loss_chunk: int = 0,
-                recorder: Recorder | None = None, device: torch.device | None = None) -> TrainGraph:
+                recorder: Recorder | None = None, device: torch.device | None = None,
+                dtype: torch.dtype = torch.float32) -> TrainGraph:
     """Trace the train step of `model` on a batch of this shape into a TrainGraph, for the step to run on
-    `device` (default: where the model is; its kernels: `hf.prepare`, `core.attention`).
+    `device` (default: where the model is; its kernels: `hf.prepare`, `core.attention`), its forward computing in
+    `dtype` (`remat.core.precision`: autocast's mixed precision; float32 traces the model as it is).
 
     Nothing of the step is computed: tracing runs on FakeTensors, and each node's
     `meta["val"]` carries shape, dtype, strides and storage for the planner.
     """
     try:
         return _traced(model, functools.partial(causal_lm_loss, loss_chunk=loss_chunk),
-                       {"input_ids": ("input", input_ids), "labels": ("input", labels)}, recorder, device,
+                       {"input_ids": ("input", input_ids), "labels": ("input", labels)}, recorder, device, dtype,
                        info={"shape": tuple(input_ids.shape), "loss_chunk": loss_chunk})
     except (DataDependentOutputException, DynamicOutputShapeException) as e:
         raise UnsupportedModel(reads_values(model, e)) from None
 
 
 def _traced(model: nn.Module, loss_fn, inputs: dict, recorder: Recorder | None, device: torch.device | None,
-            **kwargs) -> TrainGraph:
+            dtype: torch.dtype, **kwargs) -> TrainGraph:
     device = device or next(model.parameters()).device
     prepare(model, device)  # the marks and attention, before the tensors are listed
+    if dtype != torch.float32:  # the forward reads the weights in the compute dtype (`remat.core.precision`)
+        loss_fn = functools.partial(in_compute_dtype, loss_fn, dtype)
     # what the attention kernels remat chooses on the device hold inside (none on the CPU)
     held = {**delta_rule.WORKSPACES, **attention.workspaces(device)}
-    with delta_rule.swapped(model):
-        return trace(model, loss_fn, inputs, recorder=recorder, workspaces=held, **kwargs)
+    with delta_rule.swapped(model), made_in(model, dtype):
+        tg = trace(model, loss_fn, inputs, recorder=recorder, workspaces=held, **kwargs)
+    if dtype != torch.float32:
+        precision.casts_where_read(tg)
+        precision.upcasts_where_made(tg)
+    return tg
+
+
+class _Call(nn.Module):
+    # functional_call swaps tensors on a module's whole tree: `fn(module, ...)` as one call on it.
+    def __init__(self, module: nn.Module, fn):
+        super().__init__()
+        self.module, self.fn = module, fn
+
+    def forward(self, *args, **kwargs):
+        return self.fn(self.module, *args, **kwargs)
+
+
+def in_compute_dtype(fn, dtype: torch.dtype, module: nn.Module, *args, **kwargs):
+    """`fn(module, *args, **kwargs)` with every float parameter of the module read in `dtype`: cast once (tied
+    weights share the cast), its gradient flowing back through the cast in its own dtype. Stored weights are made in
+    `dtype` by the caller (`stored.made_in`)."""
+    if dtype == torch.float32:  # a float32 step computes as the model is (a float64 one too): the call as it is
+        return fn(module, *args, **kwargs)
+    cast = {f"module.{name}": p.to(dtype) for name, p in module.named_parameters()
+            if p.is_floating_point() and p.dtype != dtype}
+    return torch.func.functional_call(_Call(module, fn), cast, args, kwargs, strict=False)
 
 
 def reads_values(model: nn.Module, e: BaseException) -> str:
@@ -86,11 +115,17 @@ KV = ("k.", "v.", "index.")  # the window's caches (`hf_cache.ROWS`): attention'
 CONSTANT = ("index.",)  # caches no gradient reaches (a sparse-attention indexer scores its keys without grad)
 
 
-def new_state(model: nn.Module, batch: int, ctx: int, probes: Probes | None = None) -> dict[str, torch.Tensor]:
-    """The walk's cache and carried states for a window, zeroed."""
-    dtype, device = compute_dtype(model), next(model.parameters()).device  # quant: a first parameter may be bytes
+def state_dtype(model: nn.Module, dtype: torch.dtype) -> torch.dtype:
+    """The dtype of the walk's cache and states: what the step computes in (a float32 step: the model's own)."""
+    return compute_dtype(model) if dtype == torch.float32 else dtype
+
+
+def new_state(model: nn.Module, batch: int, ctx: int, probes: Probes | None = None,
+              dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
+    """The walk's cache and carried states for a window, zeroed, for a step computing in `dtype`."""
+    held, device = state_dtype(model, dtype), next(model.parameters()).device  # quant: a first parameter may be bytes
     shapes = (probes or Probes(model)).state_shapes(batch, ctx)
-    return {k: torch.zeros(s, dtype=dtype, device=device) for k, s in shapes.items()}
+    return {k: torch.zeros(s, dtype=held, device=device) for k, s in shapes.items()}
 
 
 def carried(names: list[str]) -> list[str]:
@@ -160,22 +195,22 @@ def state_layer(name: str) -> int:
     return int(name.removeprefix("grad_start.").removeprefix("grad.").split(".")[1])
 
 
-def chunk_inputs(model: nn.Module, shapes: dict[str, tuple[int, ...]], batch: int, ubatch: int,
-                 exact: bool) -> dict[str, tuple[str, torch.Tensor]]:
+def chunk_inputs(model: nn.Module, shapes: dict[str, tuple[int, ...]], batch: int, ubatch: int, exact: bool,
+                 dtype: torch.dtype = torch.float32) -> dict[str, tuple[str, torch.Tensor]]:
     """A walk chunk's step inputs after the model's tensors, by name: (role, an example of its shape, not filled):
     the states (exact: those `differentiated`, then their gradient buffers and the start states' buffers), offset,
     target count and batch. A model on fake weights gets fake ones: a plan allocates nothing of the cache's size."""
-    dtype = compute_dtype(model)
+    held = state_dtype(model, dtype)  # a step computing in `dtype` holds its states in it
     mode = next((p.fake_mode for p in model.parameters() if isinstance(p, FakeTensor)), None)
     names = list(shapes)
     graded = differentiated(names) if exact else []
     with mode if mode is not None else contextlib.nullcontext():
         # exact: the cache and start states are differentiated (their gradient leaves the step into the buffers)
-        inputs = {k: ("state", torch.empty(shape, dtype=dtype, requires_grad=k in graded))
+        inputs = {k: ("state", torch.empty(shape, dtype=held, requires_grad=k in graded))
                   for k, shape in shapes.items()}
         if exact:
-            inputs |= {f"grad.{k}": ("state", torch.empty(shapes[k], dtype=dtype)) for k in graded}
-            inputs |= {f"grad_start.{k}": ("state", torch.empty(shapes[k], dtype=dtype)) for k in carried(names)}
+            inputs |= {f"grad.{k}": ("state", torch.empty(shapes[k], dtype=held)) for k in graded}
+            inputs |= {f"grad_start.{k}": ("state", torch.empty(shapes[k], dtype=held)) for k in carried(names)}
         return inputs | {
             "offset": ("input", torch.zeros((), dtype=torch.long)),
             "n_targets": ("input", torch.ones((), dtype=torch.float32)),
@@ -186,7 +221,8 @@ def chunk_inputs(model: nn.Module, shapes: dict[str, tuple[int, ...]], batch: in
 
 def chunk_step(model: nn.Module, batch: int, ctx: int, ubatch: int, *, loss_chunk: int = 0, exact: bool = False,
                probes: Probes | None = None, recorder: Recorder | None = None,
-               device: torch.device | None = None, layers: Collection[int] | None = None) -> TrainGraph:
+               device: torch.device | None = None, dtype: torch.dtype = torch.float32,
+               layers: Collection[int] | None = None) -> TrainGraph:
     """Trace one walk chunk's step: placeholders are the model's tensors, the states (and, exact, their
     gradient buffers), offset, target count, batch, then the window's gradient sums (`capture.trace`'s
     `accumulate`: the chunk adds its grads into them and returns them). `device`: as `window_step`'s. `layers`:
@@ -198,19 +234,19 @@ def chunk_step(model: nn.Module, batch: int, ctx: int, ubatch: int, *, loss_chun
     every = probes.state_shapes(batch, ctx)
     shapes = every if layers is None else {k: v for k, v in every.items() if state_layer(k) in layers}
     names = list(shapes)
-    inputs = chunk_inputs(model, shapes, batch, ubatch, exact)
+    inputs = chunk_inputs(model, shapes, batch, ubatch, exact, dtype)
     loss = (functools.partial(exact_chunk_loss, cache_class=probes.cache(ExactWalkCache)) if exact
             else functools.partial(chunk_loss, cache_class=probes.cache(WalkCache)))
     loss = functools.partial(loss, names=names, loss_chunk=loss_chunk)
     # the exact walk keeps every chunk's start state from the forward sweep (the graph sees one of them)
-    itemsize = compute_dtype(model).itemsize
+    itemsize = state_dtype(model, dtype).itemsize
     starts = ctx // ubatch * sum(math.prod(every[k]) * itemsize for k in carried(list(every))) if exact else 0
     info = {"shape": (batch, ubatch), "ctx": ctx, "path": "walk", "walk": "exact" if exact else "truncated",
             "loss_chunk": loss_chunk, "saved_states": starts}
     try:
         with walking(model):  # Mamba's scans from the carried state, GPT-Neo's masks by positions
             # one set of grads: the window's sums
-            return _traced(model, loss, inputs, recorder, device, info=info, accumulate=True)
+            return _traced(model, loss, inputs, recorder, device, dtype, info=info, accumulate=True)
     except (DataDependentOutputException, DynamicOutputShapeException) as e:
         # with a cache: learned positions read from the cache's length (MPT, XGLM), or routing read as values
         raise UnsupportedModel(f"the walk path does not support {reads_values(model, e)}") from None

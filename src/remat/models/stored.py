@@ -45,6 +45,22 @@ class Stored(nn.Module):
 
 
 @contextlib.contextmanager
+def made_in(model: nn.Module, dtype: torch.dtype) -> Iterator[None]:
+    """While on, the model's stored weights are made in `dtype` (a step's compute dtype, `remat.core.precision`):
+    `remat::dequantize` converts its float32 values last, so they are the float32 weights cast, and no float32 copy
+    is ever made. float32 leaves them as the model makes them (a float32 step computes as the model is)."""
+    parts = [m for m in model.modules() if isinstance(m, Stored)] if dtype != torch.float32 else []
+    was = [m.dtype for m in parts]
+    for m in parts:
+        m.dtype = dtype
+    try:
+        yield
+    finally:
+        for m, d in zip(parts, was):
+            m.dtype = d
+
+
+@contextlib.contextmanager
 def peeking(model: nn.Module) -> Iterator[None]:
     """Reading the model's stored weights gives stand-ins (their shape, dtype and device) while on: for code that
     inspects weights without computing with them. PEFT reads each wrapped layer's weight 21 times to place its

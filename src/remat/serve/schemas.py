@@ -133,7 +133,7 @@ class PromptRecord(Loose):
 Record = TextRecord | ChatRecord | PromptRecord
 # The knobs a job takes from TrainSettings, by the same name; the rest are the server's to set.
 TRAIN_FIELDS = ("epochs", "steps", "ctx", "batch", "accumulate", "lr", "seed", "path", "ubatch", "walk",
-                "loss_chunk", "save_every", "pack", "device")
+                "loss_chunk", "save_every", "pack", "device", "dtype")
 
 
 # A memory size as `remat.base.settings.parse_bytes` reads it: 512MiB, 2GiB, 1.5G, a bare number of MiB.

@@ -21,7 +21,7 @@ from torch._subclasses.fake_tensor import FakeTensor
 
 from remat.base import collector
 from remat.base.settings import GateRefused, TrainSettings, UsageError
-from remat.core import devices, offload, policies
+from remat.core import devices, offload, policies, precision
 from remat.core.graph import TrainGraph
 from remat.core.plan import Plan, mib, placed, plan, rank_share
 from remat.core.recompute import Rewriter, keep_reasons, saved_nodes
@@ -43,12 +43,17 @@ class StepShape:
     loss_chunk: int | None  # None: the model's (`hf.loss_chunk_for`), settled by the planner
     walk: str | None = None  # walk: "exact" or "truncated"
     updates: bool = False  # the optimizer runs in the backward (`training.in_backward`): the same trace, planned so
+    dtype: str = "float32"  # what the step computes in (`remat.core.precision`), `auto` resolved
 
     @classmethod
     def of(cls, s: TrainSettings) -> StepShape:
         on_walk = s.path == "walk"
         return cls(s.path, s.batch, s.ctx, s.ubatch if on_walk else None, s.loss_chunk, s.walk if on_walk else None,
-                   in_backward(s))
+                   in_backward(s), precision.resolve(s.dtype).name)
+
+    @property
+    def compute(self) -> torch.dtype:
+        return precision.DTYPES[self.dtype]
 
 
 def in_backward(s: TrainSettings, world_size: int = 1) -> bool:
@@ -157,16 +162,18 @@ class Planner:
     def _build(self, at: _Step, name: str) -> TrainGraph:
         graphs = at.kept.graphs
         if name not in graphs:
-            chosen = at.kept.saved_back.get(name) or self._policy(name)
+            chosen = at.kept.saved_back.get(name) or self._policy(name, at.shape)
             graphs[name] = self._traced_step(at) if chosen is None else self._rewriter(at)(chosen)
             if chosen is not None and offload.applies(chosen, self.device):  # the checkpoints kept in host memory
                 graphs[name] = offload.apply(graphs[name], chosen, self.device)
         return graphs[name]
 
-    def _policy(self, name: str) -> policies.Policy | None:
-        """The policy named; for off, None (the trace as it is), but where the model holds stored weights the
-        trace rewritten to recompute their float copies alone (quant: `policies.ALWAYS_RECOMPUTED`)."""
-        return policies.parse(name) or (policies.everything() if self.stored else None)
+    def _policy(self, name: str, shape: StepShape) -> policies.Policy | None:
+        """The policy named; for off, None (the trace as it is), but where the step makes weights float (stored
+        ones, quant) or casts them (a compute dtype other than float32) the trace rewritten to recompute those copies
+        alone (`policies.always_recomputed`)."""
+        recast = self.stored or shape.dtype != "float32"  # weights made float, or cast, in the step
+        return policies.parse(name) or (policies.everything() if recast else None)
 
     def _traced_step(self, at: _Step) -> TrainGraph:
         """The step as traced, before any rewrite (a float model's off)."""
@@ -199,7 +206,7 @@ class Planner:
         assert shape.ubatch is not None and shape.loss_chunk is not None  # settled by `_at`
         return chunk_step(self.model, shape.batch, shape.ctx, shape.ubatch, loss_chunk=shape.loss_chunk,
                           exact=shape.walk != "truncated", probes=self.probes, recorder=record.record,
-                          device=self.device, layers=layers)
+                          device=self.device, dtype=shape.compute, layers=layers)
 
     def _traced(self, shape: StepShape) -> TrainGraph:
         """The step traced whole; on fake weights (only planned, never run) with its loss's pieces stamped."""
@@ -209,7 +216,7 @@ class Planner:
 
         def whole() -> TrainGraph:  # two tensors: two inputs
             return window_step(self.model, ids, ids.clone(), loss_chunk=chunk, recorder=record.record,
-                               device=self.device)
+                               device=self.device, dtype=shape.compute)
 
         if self.planning:
             with contextlib.suppress(stamp.NotStampable):
@@ -228,7 +235,8 @@ class Planner:
                     if shape.path == "walk":
                         assert shape.ubatch is not None
                         states = self.probes.state_shapes(shape.batch, shape.ctx)  # the whole model's: before the cut
-                        inputs = chunk_inputs(self.model, states, shape.batch, shape.ubatch, shape.walk != "truncated")
+                        inputs = chunk_inputs(self.model, states, shape.batch, shape.ubatch, shape.walk != "truncated",
+                                             shape.compute)
                         kept.stamper = stamp.stamp(self.model, lambda layers: self._chunk(shape, layers), self.picked,
                                                    inputs)
                     else:
@@ -255,7 +263,7 @@ class Planner:
         updates = at.shape.updates
         if name in at.kept.graphs:  # a graph already made
             return plan(self._build(at, name), updates=updates)
-        chosen = at.kept.saved_back.get(name) or self._policy(name)
+        chosen = at.kept.saved_back.get(name) or self._policy(name, at.shape)
         if offload.applies(chosen, self.device):  # a pass on the made graph: planned from it
             return plan(self._build(at, name), updates=updates)
         stamper = self._stamper(at) if name in LAYERS_ALIKE else None

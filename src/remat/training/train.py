@@ -18,7 +18,7 @@ from tqdm import tqdm
 
 from remat.base.files import staged
 from remat.base.settings import RematError, TrainSettings, UsageError, percentile
-from remat.core import devices
+from remat.core import devices, precision
 from remat.core.graph import StepInputs, TrainGraph
 from remat.core.plan import Measured, measure, preflight, value_bytes
 from remat.core.process import process_peak, resident, return_freed_memory, trim_heap
@@ -51,8 +51,8 @@ class BatchRunner:
         self.graph, self.hooks = graph, hooks
         self.tensors = StepInputs.of(model)
         self.device = next(model.parameters()).device  # the batches go where the step runs
-        self.walk = walk.Walk(model, s.batch, s.ctx, s.ubatch, s.walk == "exact", probes) \
-            if s.path == "walk" else None
+        self.walk = walk.Walk(model, s.batch, s.ctx, s.ubatch, s.walk == "exact", probes,
+                              StepShape.of(s).compute) if s.path == "walk" else None
         self.measured: Measured | None = None
         self.chunk_seconds: list[float] = []
 
@@ -103,6 +103,8 @@ class Receipt:
     outputs: list[str] = field(default_factory=list)
     world_size: int = 1  # processes of a data-parallel run; then `plan` and `plans` are one rank's
     optimizer_state_bytes: list[int] = field(default_factory=list)  # per rank, its optimizer's real state tensors
+    dtype: str = "float32"  # what the step computed in (`--dtype`, auto resolved)
+    dtype_reason: str = ""  # why: asked for, or what auto found
 
     @property
     def steps(self) -> int:
@@ -304,6 +306,7 @@ def _receipt(run: _Run, losses: list[float], first: int, saved: list[str], elaps
         outputs=save_outputs(run.model, run.loaded, s, run.out) if run.out and dp.is_main else [],
         world_size=dp.world_size,
         optimizer_state_bytes=dp.optimizer_state_bytes(run.optimizer),
+        dtype=admitted.shape.dtype, dtype_reason=precision.resolve(s.dtype).reason,
     )
 
 

@@ -18,7 +18,8 @@ from torch import nn
 from remat.core.graph import StepInputs
 from remat.models.hf import decoder_of
 from remat.models.hf_cache import Probes, WalkCache, walking
-from remat.models.steps import KV, carried, differentiated, new_state
+from remat.models.steps import KV, carried, differentiated, in_compute_dtype, new_state
+from remat.models.stored import made_in
 
 
 @dataclass
@@ -44,8 +45,10 @@ class Draws:
 class Walk:
     """A window's chunks, in the order their steps run, and the buffers that pass between them."""
 
-    def __init__(self, model: nn.Module, batch: int, ctx: int, ubatch: int, exact: bool, probes: Probes | None = None):
+    def __init__(self, model: nn.Module, batch: int, ctx: int, ubatch: int, exact: bool, probes: Probes | None = None,
+                 dtype: torch.dtype = torch.float32):
         self.model, self.batch, self.ctx, self.ubatch, self.exact = model, batch, ctx, ubatch, exact
+        self.dtype = dtype  # what each chunk's step computes in: the states are held in it
         self.probes = probes or Probes(model)
         self.params = list(StepInputs.of(model).trainable.values())
         self.device = next(model.parameters()).device
@@ -72,7 +75,7 @@ class Walk:
 
     def _chunks(self, input_ids: torch.Tensor, labels: torch.Tensor,
                 before_chunk: Callable[[], None]) -> Iterator[list[torch.Tensor]]:
-        self.state = new_state(self.model, self.batch, self.ctx, self.probes)
+        self.state = new_state(self.model, self.batch, self.ctx, self.probes, self.dtype)
         self.carried = carried(list(self.state))
         n_targets = (labels != -100).sum().to(torch.float32)
         starts = range(0, self.ctx, self.ubatch)
@@ -108,13 +111,13 @@ class Walk:
         cache, and return each chunk's start state (conv, recurrent)."""
         decoder = decoder_of(self.model)
         start_states, self.draws = [], []
-        with torch.no_grad(), walking(self.model):
+        with torch.no_grad(), walking(self.model), made_in(decoder, self.dtype):  # in the dtype the steps compute in
             for start in range(0, self.ctx, self.ubatch):
                 before_chunk()
                 start_states.append({k: self.state[k].clone() for k in self.carried})
                 self.draws.append(Draws.now(self.device))
                 cache = self.probes.cache(WalkCache)(self.state, torch.tensor(start), self.ubatch)
                 ids = input_ids[:, start:start + self.ubatch]
-                decoder(input_ids=ids, position_ids=cache.positions[None].expand(ids.shape[0], -1), cache=cache,
-                        use_cache=True)
+                in_compute_dtype(nn.Module.__call__, self.dtype, decoder, input_ids=ids, cache=cache, use_cache=True,
+                                 position_ids=cache.positions[None].expand(ids.shape[0], -1))
         return start_states

@@ -357,6 +357,8 @@ async function trainRequest() {
   req.recompute = $("#t-recompute").value;  // a policy: auto, budget, off, on, dots, every:K
   const device = $("#t-device").value.trim();
   if (device) req.device = device;  // auto, cpu, cuda, cuda:N, mps: the server's own when empty
+  const dtype = $("#t-dtype").value;  // auto (not sent: the server's default), float32, bfloat16, float16
+  if (dtype !== "auto") req.dtype = dtype;
   const budget = $("#t-budget-input").value.trim();
   if (budget) req.memory_budget = /^[0-9]+$/.test(budget) ? budget + "MiB" : budget;  // a bare number: MiB
   return req;
