@@ -116,6 +116,7 @@ def test_the_server_answers_as_the_command_line(server, capsys):
     """POST /train/plan with "ctx": "max" answers what `remat plan --ctx max --json` prints, path for path; a bad
     ctx is a 400 naming it, and POST /train takes no "max" (a job runs at one window)."""
     job = {"data": [{"text": "the cat sat on the mat. " * 6}] * 2, "ctx": "max", "lora": False, "ubatch": 64,
+           "dtype": "float32",  # the server, another process, resolves auto for its CPU
            "memory_budget": "4MiB"}
     got = server.ok("POST", "/train/plan", job)
     assert cli.main(["plan", "--model", "tiny-llama", "--ctx", "max", "--memory-budget", "4MiB", "--full",

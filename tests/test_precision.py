@@ -248,7 +248,9 @@ def test_bf16_halves_smollm2s_graph():
     bytes in both, and a tied head's weight cast to bfloat16 and its bfloat16 grad are made in the step."""
     graphs = {}
     for dtype in ("float32", "bfloat16"):
-        p = plan_settings(TrainSettings(ctx=2048, lora=False, dtype=dtype), ("off",))["off"]
+        # the optimizer after the backward: the grads are a set, planned
+        p = plan_settings(TrainSettings(ctx=2048, lora=False, dtype=dtype, optimizer_in_backward="off"),
+                          ("off",))["off"]
         graphs[dtype] = p.graph
         assert p.params == p.grads == p.optimizer // 2  # float32 master weights, grads and AdamW state
     assert graphs["bfloat16"] <= 0.55 * graphs["float32"], {k: v / 2**20 for k, v in graphs.items()}
@@ -258,7 +260,7 @@ def test_a_bf16_plan_stamped_from_a_few_layers_is_the_whole_traces():
     """A planning model's bfloat16 step is stamped from a few layers (`remat.fastplan`), as float32's: each weight's
     grad made float32 where it is made (`precision.upcasts_where_made`), not all at the backward's end, keeps the
     backward layer by layer. Its plans are the whole trace's, per policy."""
-    s = TrainSettings(ctx=128, lora=False, dtype="bfloat16")
+    s = TrainSettings(ctx=128, lora=False, dtype="bfloat16", optimizer_in_backward="off", loss_chunk=256)
     planner, shape = planner_of(s), StepShape.of(s)
     stamped = planner.plans(shape, ("off", "on", "dots"))
     assert planner._at(shape).kept.stamper is not None  # stamped, not traced whole

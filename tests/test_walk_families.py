@@ -25,7 +25,9 @@ def exact_walk(model: torch.nn.Module, ids: torch.Tensor, labels: torch.Tensor,
     drawing from `seed` (the probes that size the walk's buffers run the model too): -> (loss, grads)."""
     tg = steps.chunk_step(model, C.BATCH, C.SEQ, C.UBATCH, exact=True)
     tensors, loss, grads = StepInputs.of(model), 0.0, []
-    chunks = walk.Walk(model, C.BATCH, C.SEQ, C.UBATCH, exact=True).chunks(ids, labels, lambda: None)
+    w = walk.Walk(model, C.BATCH, C.SEQ, C.UBATCH, exact=True)
+    w.probes.state_shapes(C.BATCH, C.SEQ)  # sized before the seed (kept): the states are made as the window starts
+    chunks = w.chunks(ids, labels, lambda: None)
     torch.manual_seed(seed)
     with torch.no_grad():
         for inputs in chunks:
@@ -72,6 +74,9 @@ def test_an_indexer_cache_gets_no_gradient_buffer():
     indexer's keys as a cache of the window (`index.{i}`), with no gradient buffer beside it."""
     model = models.build_from_config(C.tiny_config("deepseek_v32")).train()
     w = walk.Walk(model, C.BATCH, C.SEQ, C.UBATCH, exact=True)
+    ids, labels = C.batch()
+    chunks = w.chunks(ids, labels, lambda: None)  # held: the window's states are given back when it closes
+    next(chunks)  # the states and their buffers are made for the window
     indexed = [k for k in w.state if k.startswith("index.")]
     assert indexed and all(w.state[k].shape[1] == C.SEQ for k in indexed)  # every row of the window
     assert not set(indexed) & set(w.grad) and {k for k in w.state if k.startswith("k.")} <= set(w.grad)
