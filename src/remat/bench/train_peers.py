@@ -152,6 +152,27 @@ def _llama(a: argparse.Namespace, data: Path) -> tuple[dict | None, str]:
     return {"binary": binary, "model": model, "text": text}, f"llama-finetune {how}"
 
 
+def _save(path: Path, rounds: list[list[dict]], machine: str, note: str, elapsed: float) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"machine": machine, "llama_note": note, "elapsed_s": elapsed, "rounds": rounds},
+                               indent=1, default=str) + "\n")
+
+
+def _rounds(a: argparse.Namespace, data: Path, llama: dict | None, save: Any) -> list[list[dict]]:
+    """The rounds, each side once a round, the order turned by one each round; saved after every run."""
+    sides = [s for s in SIDES if s != "llama.cpp" or llama is not None]
+    rounds: list[list[dict]] = []
+    for i in range(a.rounds):
+        order = sides[i % len(sides):] + sides[: i % len(sides)]
+        rounds.append([])
+        for side in order:
+            print(f"train_peers: round {i + 1}/{a.rounds} {side}", file=sys.stderr, flush=True)
+            rounds[-1].append(run_side(side, a.ctx, a.steps, data, llama, a.timeout) | {"round": i + 1})
+            print(f"  -> {rounds[-1][-1]}", file=sys.stderr, flush=True)
+            save(rounds)
+    return rounds
+
+
 def main(argv: list[str] | None = None) -> int:
     import time
     p = argparse.ArgumentParser(prog="python -m remat.bench.train_peers", description=__doc__.split("\n")[0])
@@ -163,26 +184,24 @@ def main(argv: list[str] | None = None) -> int:
                    help=f"llama-cpp-python sdist to build it from (${llama_cpp.ENV_SDIST})")
     p.add_argument("--timeout", type=float, default=3600)
     p.add_argument("--out", type=Path, default=OUT)
+    p.add_argument("--report-only", action="store_true", help="no runs: the report from the rounds in runs.json")
     a = p.parse_args(argv)
     started, machine = time.perf_counter(), peers.machine()
     data = peers.text_file(a.out / ".text.txt")
     llama, note = _llama(a, data)
-    sides = [s for s in SIDES if s != "llama.cpp" or llama is not None]
-    rounds: list[list[dict]] = []
-    for i in range(a.rounds):
-        order = sides[i % len(sides):] + sides[: i % len(sides)]
-        rnd = []
-        for side in order:
-            print(f"train_peers: round {i + 1}/{a.rounds} {side}", file=sys.stderr, flush=True)
-            rnd.append(run_side(side, a.ctx, a.steps, data, llama, a.timeout) | {"round": i + 1})
-            print(f"  -> {rnd[-1]}", file=sys.stderr, flush=True)
-        rounds.append(rnd)
+    saved = a.out / "runs.json"
+    if a.report_only:
+        kept = json.loads(saved.read_text())
+        rounds, machine, note = kept["rounds"], kept["machine"], kept.get("llama_note", note)
+        a.rounds, started = len(rounds), time.perf_counter() - kept.get("elapsed_s", 0.0)
+    else:
+        rounds = _rounds(a, data, llama, lambda r: _save(saved, r, machine, note, time.perf_counter() - started))
     s = summary(rounds)
     if llama is None:
         old = committed_llama(a.out)
         s["llama.cpp"] = old or s["llama.cpp"]
         note = f"not run here ({note}); " + ("figures from the last committed run" if old else "no figures")
-    remat_run = next((r for rnd in rounds for r in rnd if r["side"] == "remat" and r.get("policy")), {})
+    remat_run: dict = next((r for rnd in rounds for r in rnd if r["side"] == "remat" and r.get("policy")), {})
     res = {"ctx": a.ctx, "steps": a.steps, "rounds": a.rounds, "machine": machine, "llama_note": note,
            "trains": {"remat": "every weight", "llama.cpp": "every tensor", "hf": "every weight"},
            "method": METHOD.format(ctx=a.ctx, policy=remat_run.get("policy"), path=remat_run.get("path"),
