@@ -58,6 +58,7 @@ def test_piecewise_curve_and_plans_anchored_on_measured_peaks():
     assert piecewise_longest(curve, 660) == pytest.approx(6000)  # past the last plan: its last segment goes on
     assert piecewise_longest(curve, 100) == 0.0
     assert anchored(plans, []) is None and anchored({1000: 1}, [(1000, 2)]) is None
+    assert anchored(plans, [], offset=7) == [(1000, 107), (2000, 207), (4000, 407)]  # another model's runs
 
 
 def test_side_row_statuses():

@@ -121,5 +121,5 @@ def run(binary: Path, model: Path, text: Path, ctx: int, threads: int, timeout: 
     out = {"side": "llama.cpp", "rc": r.rc, "peak_rss": r.peak_rss if r.rc == 0 else None,
            "seconds": round(r.seconds, 1), "tokens_per_second": rate, "windows": windows, "losses": losses}
     if r.rc != 0 or rate is None:
-        out["error"] = (r.stderr.strip().splitlines() or [f"exit {r.rc}"])[-1][:300]
+        out["error"] = r.error()
     return out

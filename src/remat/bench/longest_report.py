@@ -88,14 +88,26 @@ def piecewise_longest(points: Sequence[tuple[int, float]], budget: int) -> float
     return float("inf") if slope <= 0 else n1 + (budget - p1) / slope
 
 
-def anchored(plans: dict[int, int], measured: Sequence[tuple[int, int]]) -> list[tuple[int, float]] | None:
+def anchored(plans: dict[int, int], measured: Sequence[tuple[int, int]], offset: int | None = None
+             ) -> list[tuple[int, float]] | None:
     """remat's curve: its planned totals, moved by what the measured runs held beyond their plans (the runtime, the
-    trace, the allocator: the median of measured - planned over the measured windows). None without both."""
+    trace, the allocator: the median of measured - planned over the measured windows; without one, `offset`, what
+    another model's runs held). None without plans or an offset."""
     gaps = sorted(p - plans[n] for n, p in measured if n in plans)
-    if not gaps or len(plans) < 2:
+    if gaps:
+        offset = gaps[len(gaps) // 2]
+    if offset is None or len(plans) < 2:
         return None
-    offset = gaps[len(gaps) // 2]
     return [(n, t + offset) for n, t in sorted(plans.items())]
+
+
+def borrowed_offset(runs: list[dict], mode: str) -> int | None:
+    """What remat's measured runs held beyond their plans, over every model measured with `mode` (for a model remat
+    only plans here)."""
+    labels = {r["model"] for r in runs if r["side"] == "remat" and r["purpose"] == "fit" and r["mode"] == mode}
+    gaps = sorted(p - plans[n] for label in labels for plans in [_plans(runs, label, mode)]
+                  for n, p in _points(runs, label, "remat", mode) if n in plans)
+    return gaps[len(gaps) // 2] if gaps else None
 
 
 def side_row(raw: float | None, budget: int, floor: int, cap: int, confirms: dict[int, int | None]) -> dict[str, Any]:
@@ -127,7 +139,7 @@ def raw_window(runs: list[dict], label: str, side: str, mode: str, budget: int) 
     plans anchored on its measured peaks (`anchored`)."""
     points = _points(runs, label, side, mode)
     if side == "remat":
-        curve = anchored(_plans(runs, label, mode), points)
+        curve = anchored(_plans(runs, label, mode), points, borrowed_offset(runs, mode))
         return None if curve is None else piecewise_longest(curve, budget)
     coef = fit(points)
     return None if coef is None else longest(coef, budget)
@@ -174,6 +186,8 @@ def rows(cases: Sequence[Any], runs: list[dict], budgets: Sequence[int], target:
                 sides = {side: side_row(raw_window(runs, case.label, side, mode, gib * GiB), gib * GiB,
                                         floor_bytes(n, side, mode), cap, _confirms(runs, case.label, side, mode))
                          for side in ("remat", "hf")}
+                if not _points(runs, case.label, "remat", mode) and sides["remat"]["status"] in ("fit", "capped"):
+                    sides["remat"]["plan_only"] = True
                 r, note = ratio(sides["remat"], sides["hf"])
                 met = None if note != "exact" else r is not None and r >= target
                 out.append({"model": case.label, "spec": case.spec, "mode": mode, "budget_gib": gib,
@@ -210,6 +224,8 @@ def cell(side: dict) -> str:
         peak = side["confirm_peak"]
         text += (f", confirmed: {peak / MiB:,.0f} MiB" if side["confirmed"] else
                  f", run there: {'failed' if peak is None else f'{peak / MiB:,.0f} MiB, over the budget'}")
+    elif side.get("plan_only"):
+        text += ", plan only (no run: remat plans this preset, it does not train it)"
     else:
         text += ", fit only (not run here)"
     return text
@@ -239,18 +255,24 @@ def markdown(res: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-METHOD = ("Found the same way for both sides: one training step at each of a few short windows in a child process "
-          "(`ru_maxrss`: weights, optimizer state, activations and the runtime), a line through the peaks (a parabola "
-          "from three windows on, never bending down), solved for the longest window within the budget, floored to "
-          "a token; then one run at the found window where this 2-core machine runs it in reasonable time "
-          "(\"confirmed\", its peak), else \"fit only\". remat: `remat finetune --path walk --recompute on` (the "
-          "exact walk: the whole window's gradient; the graph holds one chunk, the K/V cache and its gradient grow "
-          "with the window). Hugging Face: the same model and weights loaded by remat.models.load, PEFT LoRA with "
-          "remat's default adapter (r 8, every decoder linear layer) or every weight, "
-          "`gradient_checkpointing_enable()` (non-reentrant), the model's own loss (`labels=`), AdamW. Weights "
-          "do not fit: the frozen weights (LoRA) or weights + grads + AdamW's two moments (full, 4 × 4 bytes a "
-          "weight on both sides) alone exceed the budget. Capped: the fit's window is past the model's maximum "
-          "context (`max_position_embeddings`).")
+METHOD = ("Hugging Face + PEFT: one training step at each of a few short windows in a child process, its peak "
+          "resident set (`ru_maxrss`: weights, optimizer state, activations, the runtime), a line through the peaks "
+          "(a parabola from three windows on, never bending down) solved for the longest window within the budget. "
+          "The same model and float32 weights (remat.models.load; a plan-only preset built by transformers from its "
+          "config), PEFT LoRA with remat's default adapter (r 8, every decoder linear layer) or every weight, "
+          "`gradient_checkpointing_enable()` (non-reentrant), the model's own loss (`labels=`), AdamW. remat: "
+          "`remat finetune --path walk --recompute on` (the exact walk: the whole window's gradient; the graph holds "
+          "one chunk, only the K/V cache and its gradient grow with the window), one step at the same short windows "
+          "measured the same way; its curve is its plans (`remat plan`, same settings, windows up to the model's "
+          "maximum context) moved up by what those runs held beyond their plans (runtime, trace, allocator: the "
+          "median gap), solved on that broken line. Its growth per token (the cache, about 0.1 MiB a token on "
+          "SmolLM2) is below the noise of a peak measured at short windows: the plans give the slope, the runs the "
+          "level. qwen2.5-coder-1.5b is a plan-only preset in remat (`remat finetune` does not build it): its remat "
+          "rows are plans plus the gap measured on SmolLM2, marked \"plan only\". \"fit only\": no run at the "
+          "found window (one step there takes longer than this shared 2-core machine had). Weights do not fit: "
+          "the frozen weights (LoRA) or weights + grads + AdamW's two moments (full, 4 × 4 bytes a weight) alone "
+          "exceed the budget. Capped: the window found is past the model's maximum context "
+          "(`max_position_embeddings`).")
 
 
 def report(cases: Sequence[Any], runs: list[dict], budgets: Sequence[int], target: float, machine: str,

@@ -3,15 +3,16 @@
     python -m remat.bench.longest_window                       # measure what is missing, then report
     python -m remat.bench.longest_window --report-only         # the report from bench/results/longest_window/runs.json
 
-Both sides are found the same way: each trains one step (`peers.measured`: a child process, its peak resident
-set, float32 weights on both sides) at a few short windows; a line (a parabola from three windows on) is fitted
-through those peaks and solved for the longest window whose peak is within the budget; then one run at the found
-window confirms it, where this machine can run it in reasonable time (`CONFIRM_MAX`); elsewhere the row says
-"fit only". remat's side is its path for long windows: the exact walk (`--path walk`, chunks of `UBATCH` tokens
-over the window's K/V cache), recompute on (its graph holds one chunk; only the cache grows with the window).
-Rows the model's maximum context caps say so; where the weights (and, with full fine-tuning, the grads and AdamW's
-two moments that each side holds) alone exceed the budget, the row says that instead of a number. Every run is
-kept in runs.json; a rerun measures only what is missing (`--fresh`: everything again).
+Hugging Face + PEFT's window is found from measured runs: one step at each of a few short windows
+(`peers.measured`: a child process, its peak resident set; float32 weights on both sides), a line (a parabola from
+three windows on) fitted through the peaks and solved for the budget. remat's side, its path for long windows
+(the exact walk, chunks of `Case.ubatch` tokens over the window's K/V cache, recompute on), runs at the same short
+windows, measured the same way, and its curve is its plans (`remat plan`, no weights) up to the model's maximum
+context, moved by what those runs held beyond their plans (see `longest_report`). A confirming run at the found
+window runs where this machine can run it (`Case.confirm_max`, not `--no-confirm`); elsewhere the row says "fit
+only". Rows the model's maximum context caps say so; where the weights (and, with full fine-tuning, the grads and
+AdamW's two moments) alone exceed the budget, the row says that instead of a number. Every run and plan is kept in
+runs.json; a rerun measures only what is missing or failed (`--fresh`: everything again).
 """
 
 from __future__ import annotations
@@ -40,13 +41,14 @@ class Case:
     ubatch: int  # remat's walk chunk
     confirm_max: int  # the longest window a confirming run is tried at on this machine
     plan_windows: tuple[int, ...]  # remat's plans: its curve between and past the measured windows
+    remat_trains: bool = True  # False: a plan-only preset to remat (`remat finetune` refuses it): plans alone
 
 
 CASES = (
-    Case("SmolLM2-135M (embedded GGUF)", None, (256, 1024), 256, 1024,
+    Case("SmolLM2-135M (embedded GGUF)", None, (256, 512), 256, 1024,
          (256, 1024, 2048, 4096, 8192)),
     Case("qwen2.5-coder-1.5b (preset)", "qwen2.5-coder-1.5b", (64, 128), 64, 128,
-         (64, 128, 1024, 4096, 8192, 16384, 32768)),
+         (64, 128, 1024, 4096, 8192, 16384, 32768), remat_trains=False),
 )
 SIDES = ("remat", "hf")
 MODES = ("lora", "full")
@@ -76,7 +78,7 @@ def measure(case: Case, side: str, mode: str, ctx: int, purpose: str, data: Path
     row = {"model": case.label, "side": side, "mode": mode, "ctx": ctx, "purpose": purpose, "rc": r.rc,
            "peak_rss": r.peak_rss if r.rc == 0 else None, "seconds": round(r.seconds, 1), **keep}
     if r.rc != 0:
-        row["error"] = r.stderr.strip().splitlines()[-1][:300] if r.stderr.strip() else f"exit {r.rc}"
+        row["error"] = r.error()
     return row
 
 
@@ -139,6 +141,7 @@ def _measure_all(cases: list[Case], runs: list[dict], path: Path, machine: str, 
     from remat.bench.longest_report import confirmations
 
     data = peers.text_file(path.parent / ".text.txt")
+    runs[:] = [r for r in runs if r.get("rc") == 0]  # a failed run is tried again
     done = {run_key(r) for r in runs}
 
     def one(case: Case, side: str, mode: str, ctx: int, purpose: str) -> None:
@@ -158,7 +161,7 @@ def _measure_all(cases: list[Case], runs: list[dict], path: Path, machine: str, 
             for ctx in case.plan_windows:
                 one(case, "remat", mode, ctx, "plan")
             for ctx in case.windows if train else ():
-                for side in SIDES:
+                for side in SIDES if case.remat_trains else ("hf",):
                     one(case, side, mode, ctx, "fit")
     if confirm and train:
         for case, side, mode, ctx in confirmations([c for c in cases], runs, BUDGETS):

@@ -37,6 +37,11 @@ class ChildRun:
     stdout: str
     stderr: str
 
+    def error(self) -> str:
+        """The child's last stderr line that is not the wrapper's peak."""
+        lines = [ln for ln in self.stderr.strip().splitlines() if not ln.startswith("peak_rss=")]
+        return (lines[-1] if lines else f"exit {self.rc}")[:300]
+
     def json(self) -> dict:
         """The child's last stdout line as JSON ({} when it printed none)."""
         lines = [ln for ln in self.stdout.splitlines() if ln.startswith("{")]
@@ -122,8 +127,13 @@ def hf_train(model: str | None, ctx: int, *, lora: bool, steps: int, lr: float, 
     from remat.models import adapters
     from remat.models import load as models
 
-    loaded = models.load_model(model, seed=seed)
-    m: Any = loaded.model
+    try:
+        loaded = models.load_model(model, seed=seed)
+        m: Any = loaded.model
+        name = loaded.name
+    except models.ModelError:  # a plan-only preset (remat does not train it): transformers builds it from its config
+        m = models.build_from_config(models.load_config(model), seed=seed)
+        name = f"{model} (built from its config)"
     if lora:
         m = adapters.apply_lora(m, adapters.LoraSettings(), seed=seed)
     m.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -131,7 +141,7 @@ def hf_train(model: str | None, ctx: int, *, lora: bool, steps: int, lr: float, 
     params = [p for p in m.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
     seconds, losses = [], []
-    for ids, _ in random_batches(loaded.model.config.vocab_size, 1, ctx, steps, seed):
+    for ids, _ in random_batches(m.config.vocab_size, 1, ctx, steps, seed):
         t0 = time.perf_counter()
         loss = m(input_ids=ids, labels=ids, use_cache=False).loss  # the model's own shifted cross-entropy
         loss.backward()
@@ -140,7 +150,7 @@ def hf_train(model: str | None, ctx: int, *, lora: bool, steps: int, lr: float, 
         seconds.append(time.perf_counter() - t0)
         losses.append(loss.item())
     timed = seconds[1:] or seconds  # the first step is the warm-up
-    return {"model": loaded.name, "ctx": ctx, "lora": lora, "trainable_parameters": sum(p.numel() for p in params),
+    return {"model": name, "ctx": ctx, "lora": lora, "trainable_parameters": sum(p.numel() for p in params),
             "dtype": str(next(m.parameters()).dtype), "attention": m.config._attn_implementation,
             "step_seconds_all": seconds, "losses": losses,
             "tokens_per_second": ctx * len(timed) / sum(timed)}

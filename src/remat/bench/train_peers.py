@@ -55,7 +55,7 @@ def run_side(side: str, ctx: int, steps: int, data: Path, llama: dict | None, ti
         out |= {"policy": said.get("policy"), "path": said["settings"]["path"],
                 "optimizer_in_backward": said["settings"].get("optimizer_in_backward")}
     if r.rc != 0:
-        out["error"] = (r.stderr.strip().splitlines() or [f"exit {r.rc}"])[-1][:300]
+        out["error"] = r.error()
     return out
 
 
