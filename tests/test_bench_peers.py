@@ -126,6 +126,8 @@ def test_llama_progress_is_read_after_the_warm_up_window():
     rate, windows, losses = llama_cpp.tokens_per_second(err, 512)
     assert rate == pytest.approx(2 * 512 / 180) and windows == 3 and losses == [5.5, 5.4, 5.3]
     assert llama_cpp.tokens_per_second("no progress", 512) == (None, 0, [])
+    two = err + err.replace("t=00:0", "t=00:1")  # a second epoch: its clock starts again
+    assert llama_cpp.tokens_per_second(two, 512)[:2] == (pytest.approx(4 * 512 / 360), 6)
 
 
 def test_throughput_ratios_are_paired_by_round():

@@ -100,19 +100,24 @@ def command(binary: Path, model: Path, text: Path, ctx: int, threads: int) -> li
     """One epoch of llama-finetune over `text` in windows of `ctx` (batch and ubatch one window), AdamW, no
     validation split, the trained model written to a scratch file."""
     return [str(binary), "--model", str(model), "--file", str(text), "-c", str(ctx), "-b", str(ctx), "-ub", str(ctx),
-            "-t", str(threads), "--val-split", "0", "-o", str(model.parent / "llama-finetune-out.gguf")]
+            "-t", str(threads), "--epochs", "1", "--val-split", "0",
+            "-o", str(model.parent / "llama-finetune-out.gguf")]
 
 
 def tokens_per_second(stderr: str, ctx: int) -> tuple[float | None, int, list[float]]:
-    """From llama-finetune's progress lines: tokens/s over the windows after the first (its warm-up), how many
-    windows it trained, its losses. Its clock counts whole seconds: read the rate to (1 s / the span)."""
+    """From llama-finetune's progress lines: tokens/s over the windows after each epoch's first (the warm-up), how
+    many windows it trained, its losses. Its clock counts whole seconds from each epoch's start: read the rate to
+    (1 s / the span)."""
     points = [(int(m[1]), float(m[3]), int(m[4]) * 3600 + int(m[5]) * 60 + int(m[6]))
               for m in PROGRESS.finditer(stderr.replace("\r", "\n"))]
-    if len(points) < 2:
-        return None, points[-1][0] if points else 0, [p[1] for p in points]
-    (d0, _, t0), (d1, _, t1) = points[0], points[-1]
-    rate = (d1 - d0) * ctx / (t1 - t0) if t1 > t0 else None
-    return rate, d1, [p[1] for p in points]
+    epochs: list[list[tuple[int, float, int]]] = []
+    for p in points:
+        if not epochs or p[0] <= epochs[-1][-1][0]:
+            epochs.append([])
+        epochs[-1].append(p)
+    tokens = sum((e[-1][0] - e[0][0]) * ctx for e in epochs)
+    span = sum(e[-1][2] - e[0][2] for e in epochs)
+    return (tokens / span if span > 0 else None), sum(e[-1][0] for e in epochs), [p[1] for p in points]
 
 
 def run(binary: Path, model: Path, text: Path, ctx: int, threads: int, timeout: float) -> dict:

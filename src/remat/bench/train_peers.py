@@ -158,11 +158,11 @@ def _save(path: Path, rounds: list[list[dict]], machine: str, note: str, elapsed
                                indent=1, default=str) + "\n")
 
 
-def _rounds(a: argparse.Namespace, data: Path, llama: dict | None, save: Any) -> list[list[dict]]:
-    """The rounds, each side once a round, the order turned by one each round; saved after every run."""
+def _rounds(a: argparse.Namespace, data: Path, llama: dict | None, rounds: list[list[dict]], save: Any
+            ) -> list[list[dict]]:
+    """The rounds after `rounds`, each side once a round, the order turned by one each round; saved after every run."""
     sides = [s for s in SIDES if s != "llama.cpp" or llama is not None]
-    rounds: list[list[dict]] = []
-    for i in range(a.rounds):
+    for i in range(len(rounds), a.rounds):
         order = sides[i % len(sides):] + sides[: i % len(sides)]
         rounds.append([])
         for side in order:
@@ -185,6 +185,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--timeout", type=float, default=3600)
     p.add_argument("--out", type=Path, default=OUT)
     p.add_argument("--report-only", action="store_true", help="no runs: the report from the rounds in runs.json")
+    p.add_argument("--fresh", action="store_true", help="forget the rounds runs.json holds")
     a = p.parse_args(argv)
     started, machine = time.perf_counter(), peers.machine()
     data = peers.text_file(a.out / ".text.txt")
@@ -194,8 +195,11 @@ def main(argv: list[str] | None = None) -> int:
         kept = json.loads(saved.read_text())
         rounds, machine, note = kept["rounds"], kept["machine"], kept.get("llama_note", note)
         a.rounds, started = len(rounds), time.perf_counter() - kept.get("elapsed_s", 0.0)
-    else:
-        rounds = _rounds(a, data, llama, lambda r: _save(saved, r, machine, note, time.perf_counter() - started))
+    else:  # a rerun goes on from the rounds runs.json holds, up to --rounds in all (--fresh: from none)
+        kept = json.loads(saved.read_text()) if saved.exists() and not a.fresh else {"rounds": [], "elapsed_s": 0.0}
+        started -= kept["elapsed_s"]
+        rounds = _rounds(a, data, llama, kept["rounds"],
+                         lambda r: _save(saved, r, machine, note, time.perf_counter() - started))
     s = summary(rounds)
     if llama is None:
         old = committed_llama(a.out)
