@@ -249,6 +249,8 @@ def markdown(res: dict) -> str:
               "|---|---|---|---:|---|---:|---:|---|"]
     for r in res["runs"]:
         peak = "–" if r["peak_rss"] is None else f"{r['peak_rss'] / MiB:,.0f}"
+        if r["purpose"] == "plan":
+            peak = f"planned {r['planned_total'] / MiB:,.0f}"
         lines.append(f"| {r['model']} | {SIDE_NAMES[r['side']]} | {r['mode']} | {r['ctx']:,} | {r['purpose']} | {peak} "
                      f"| {r['seconds']:,.0f} | {r.get('error', '')} |")
     lines += ["", res["method"], "", f"Machine: {res['machine']}."]

@@ -160,10 +160,11 @@ def _save(path: Path, rounds: list[list[dict]], machine: str, note: str, elapsed
 
 def _rounds(a: argparse.Namespace, data: Path, llama: dict | None, rounds: list[list[dict]], save: Any
             ) -> list[list[dict]]:
-    """The rounds after `rounds`, each side once a round, the order turned by one each round; saved after every run."""
+    """The rounds after `rounds`, each side once a round, the order turned each round; saved after every run."""
     sides = [s for s in SIDES if s != "llama.cpp" or llama is not None]
     for i in range(len(rounds), a.rounds):
-        order = sides[i % len(sides):] + sides[: i % len(sides)]
+        turn = 2 * i % len(sides)  # round 2 puts remat between its two peers
+        order = sides[turn:] + sides[:turn]
         rounds.append([])
         for side in order:
             print(f"train_peers: round {i + 1}/{a.rounds} {side}", file=sys.stderr, flush=True)
