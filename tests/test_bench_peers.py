@@ -139,3 +139,16 @@ def test_throughput_ratios_are_paired_by_round():
     assert s["remat_over_llama.cpp"] == {"per_round": [2.0], "median": 2.0}
     assert s["remat_over_hf"]["per_round"] == [1.25, 2.0]
     assert s["remat"]["peak_rss"] == 3 and s["hf"]["tokens_per_second"] == 5.0
+
+
+def test_hf_fit_follows_the_training_phase_and_its_load_must_fit_too():
+    case = _Case("tiny", "tiny-llama", 0)
+    runs = [_run("hf", "lora", 64, "fit", 900 * MiB) | {"train_peak_rss": 300 * MiB, "load_peak_rss": 900 * MiB},
+            _run("hf", "lora", 128, "fit", 900 * MiB) | {"train_peak_rss": 364 * MiB, "load_peak_rss": 900 * MiB}]
+    by = {r["budget_gib"]: r["hf"] for r in rows([case], runs, (1, 2), 2.0) if r["mode"] == "lora"}
+    # the whole-process peaks are the load's, flat: the training peaks grow 1 MiB a token from 236 MiB
+    assert by[1]["window"] == min(int((GiB - 236 * MiB) / MiB), max_context("tiny-llama"))  # the load fits 1 GiB
+    assert by[2]["window"] == min(int((2 * GiB - 236 * MiB) / MiB), max_context("tiny-llama"))
+    heavy = [r | {"load_peak_rss": 1100 * MiB} for r in runs]  # now loading alone peaks over 1 GiB
+    one = next(r["hf"] for r in rows([case], heavy, (1,), 2.0) if r["mode"] == "lora")
+    assert one["status"] == "none" and one["window"] == 0

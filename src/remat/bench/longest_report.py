@@ -135,14 +135,17 @@ def side_row(raw: float | None, budget: int, floor: int, cap: int, confirms: dic
 
 
 def raw_window(runs: list[dict], label: str, side: str, mode: str, budget: int) -> float | None:
-    """The side's longest window within `budget`: Hugging Face's from the fit of its measured peaks, remat's from its
-    plans anchored on its measured peaks (`anchored`)."""
+    """The side's longest window within `budget`: Hugging Face's from the fit of its training phase's measured peaks
+    (0 where loading the model alone peaks over the budget), remat's from its plans anchored on its measured peaks
+    (`anchored`)."""
     points = _points(runs, label, side, mode)
     if side == "remat":
         curve = anchored(_plans(runs, label, mode), points, borrowed_offset(runs, mode))
         return None if curve is None else piecewise_longest(curve, budget)
     coef = fit(points)
-    return None if coef is None else longest(coef, budget)
+    if coef is None:
+        return None
+    return 0.0 if _load_peak(runs, label, side, mode) > budget else longest(coef, budget)
 
 
 def ratio(remat: dict, hf: dict) -> tuple[float | None, str]:
@@ -162,8 +165,16 @@ def ratio(remat: dict, hf: dict) -> tuple[float | None, str]:
 
 
 def _points(runs: list[dict], label: str, side: str, mode: str) -> list[tuple[int, int]]:
-    return [(r["ctx"], r["peak_rss"]) for r in runs
+    """(window, peak) of the side's measured runs: the training phase's peak where the child reported it apart
+    from its load's (the Hugging Face child), else the whole process's."""
+    return [(r["ctx"], r.get("train_peak_rss") or r["peak_rss"]) for r in runs
             if (r["model"], r["side"], r["mode"], r["purpose"]) == (label, side, mode, "fit") and r["peak_rss"]]
+
+
+def _load_peak(runs: list[dict], label: str, side: str, mode: str) -> int:
+    """The highest peak of the runs' load phase (0 where none was reported apart)."""
+    return max((r.get("load_peak_rss") or 0 for r in runs
+                if (r["model"], r["side"], r["mode"], r["purpose"]) == (label, side, mode, "fit")), default=0)
 
 
 def _plans(runs: list[dict], label: str, mode: str) -> dict[int, int]:
@@ -260,6 +271,9 @@ def markdown(res: dict) -> str:
 METHOD = ("Hugging Face + PEFT: one training step at each of a few short windows in a child process, its peak "
           "resident set (`ru_maxrss`: weights, optimizer state, activations, the runtime), a line through the peaks "
           "(a parabola from three windows on, never bending down) solved for the longest window within the budget. "
+          "Where the child reports its training phase's peak apart from its load's (VmHWM reset once the model is "
+          "built: transformers' init of a preset from its config peaks above what a short window's training holds), "
+          "the line goes through the training peaks and the load's peak must fit the budget too. "
           "The same model and float32 weights (remat.models.load; a plan-only preset built by transformers from its "
           "config), PEFT LoRA with remat's default adapter (r 8, every decoder linear layer) or every weight, "
           "`gradient_checkpointing_enable()` (non-reentrant), the model's own loss (`labels=`), AdamW. remat: "
@@ -289,30 +303,38 @@ def report(cases: Sequence[Any], runs: list[dict], budgets: Sequence[int], targe
     return res
 
 
+def _curve(runs: list[dict], case: Any, side: str, mode: str) -> list[tuple[float, float]]:
+    """What the report solves on, to draw: remat's anchored plans, Hugging Face's fit."""
+    points, top = _points(runs, case.label, side, mode), max_context(case.spec)
+    if side == "remat":
+        curve = anchored(_plans(runs, case.label, mode), points, borrowed_offset(runs, mode)) or []
+        return [(float(n), p) for n, p in curve]
+    coef = fit(points)
+    return [] if coef is None else [(top * i / 100, predict(coef, top * i / 100)) for i in range(101)]
+
+
 def plot(cases: Sequence[Any], res: dict, dest: Path) -> None:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    panels = [(c, m) for c in cases for m in ("lora", "full") if _points(res["runs"], c.label, "remat", m)]
+    runs = res["runs"]
+    panels = [(c, m) for c in cases for m in ("lora", "full") if _points(runs, c.label, "hf", m)]
     fig, axes = plt.subplots(1, max(len(panels), 1), figsize=(5.5 * max(len(panels), 1), 4.2), squeeze=False)
     for ax, (case, mode) in zip(axes[0], panels):
         for side, colour in (("remat", "tab:blue"), ("hf", "tab:orange")):
-            pts = _points(res["runs"], case.label, side, mode)
-            coef = fit(pts)
-            top = max_context(case.spec)
-            if coef is not None:
-                xs = [top * i / 100 for i in range(101)]
-                ax.plot(xs, [predict(coef, x_) / GiB for x_ in xs], color=colour, lw=1, label=f"{SIDE_NAMES[side]} fit")
+            curve = _curve(runs, case, side, mode)
+            ax.plot([n for n, _ in curve], [p / GiB for _, p in curve], color=colour, lw=1,
+                    label=SIDE_NAMES[side] + (": plans + measured gap" if side == "remat" else ": fit"))
+            pts = _points(runs, case.label, side, mode)
             ax.scatter([n for n, _ in pts], [p / GiB for _, p in pts], color=colour, s=18)
-            conf = _confirms(res["runs"], case.label, side, mode)
-            ax.scatter(list(conf), [(p or 0) / GiB for p in conf.values()], color=colour, marker="x", s=40)
         for gib in res["budgets_gib"]:
             ax.axhline(gib, color="grey", lw=0.6, ls="--")
+        ax.set_xlim(0, max_context(case.spec))
         ax.set_ylim(0, max(res["budgets_gib"]) * 1.3)
-        ax.set_title(f"{case.label}, {'LoRA' if mode == 'lora' else 'full'}", fontsize=9)
+        ax.set_title(f"{case.label}, {'LoRA r8' if mode == 'lora' else 'full'}", fontsize=9)
         ax.set_xlabel("window (tokens)")
-        ax.set_ylabel("peak RSS, GiB (dots: fit runs, x: confirming)")
+        ax.set_ylabel("peak RSS, GiB (dots: measured runs)")
         ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(dest, dpi=110)

@@ -72,7 +72,8 @@ def measure(case: Case, side: str, mode: str, ctx: int, purpose: str, data: Path
     r = peers.measured(side_cmd(case, side, mode, ctx, data), timeout=timeout)
     said = r.json()
     keep = {k: said.get(k) for k in ("policy", "tokens_per_second", "process_peak", "trainable_parameters",
-                                     "frozen_parameters", "attention", "dtype", "losses") if k in said}
+                                     "frozen_parameters", "attention", "dtype", "losses", "load_peak_rss",
+                                     "train_peak_rss") if k in said}
     if "plan" in said:
         keep["planned_total"] = said["plan"]["total"]
     row = {"model": case.label, "side": side, "mode": mode, "ctx": ctx, "purpose": purpose, "rc": r.rc,

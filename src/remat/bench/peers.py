@@ -124,6 +124,7 @@ def hf_train(model: str | None, ctx: int, *, lora: bool, steps: int, lr: float, 
     import torch
 
     from remat.bench.common import random_batches
+    from remat.core.process import process_peak, reset_process_peak
     from remat.models import adapters
     from remat.models import load as models
 
@@ -138,6 +139,10 @@ def hf_train(model: str | None, ctx: int, *, lora: bool, steps: int, lr: float, 
         m = adapters.apply_lora(m, adapters.LoraSettings(), seed=seed)
     m.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     m.train()
+    # Building a preset from its config (transformers' init) can peak above what training holds at a short window:
+    # the peaks of the two phases apart, so that a fit sees training's growth with the window.
+    load_peak = process_peak().get("rss")
+    reset_process_peak()
     params = [p for p in m.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
     seconds, losses = [], []
@@ -153,7 +158,8 @@ def hf_train(model: str | None, ctx: int, *, lora: bool, steps: int, lr: float, 
     return {"model": name, "ctx": ctx, "lora": lora, "trainable_parameters": sum(p.numel() for p in params),
             "dtype": str(next(m.parameters()).dtype), "attention": m.config._attn_implementation,
             "step_seconds_all": seconds, "losses": losses,
-            "tokens_per_second": ctx * len(timed) / sum(timed)}
+            "tokens_per_second": ctx * len(timed) / sum(timed), "load_peak_rss": load_peak,
+            "train_peak_rss": process_peak().get("rss")}
 
 
 def main(argv: list[str] | None = None) -> int:
