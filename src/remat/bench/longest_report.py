@@ -242,6 +242,14 @@ def cell(side: dict) -> str:
     return text
 
 
+def _note(r: dict) -> str:
+    if r.get("error"):
+        return r["error"]
+    if r.get("load_peak_rss"):
+        return f"training's peak; loading peaked at {r['load_peak_rss'] / MiB:,.0f}"
+    return ""
+
+
 def markdown(res: dict) -> str:
     lines = ["# Longest training window within a memory budget: remat against Hugging Face + PEFT", "",
              "| model | training | budget | remat (walk, recompute on) | HF + PEFT + gradient checkpointing "
@@ -263,7 +271,7 @@ def markdown(res: dict) -> str:
         if r["purpose"] == "plan":
             peak = f"planned {r['planned_total'] / MiB:,.0f}"
         lines.append(f"| {r['model']} | {SIDE_NAMES[r['side']]} | {r['mode']} | {r['ctx']:,} | {r['purpose']} | {peak} "
-                     f"| {r['seconds']:,.0f} | {r.get('error', '')} |")
+                     f"| {r['seconds']:,.0f} | {_note(r)} |")
     lines += ["", res["method"], "", f"Machine: {res['machine']}."]
     return "\n".join(lines) + "\n"
 
