@@ -127,7 +127,7 @@ def main(argv: list[str] | None = None) -> int:
     a = p.parse_args(argv)
     path = a.out / "runs.json"
     runs = [] if a.fresh else load_runs(path)
-    machine = peers.machine()
+    machine = json.loads(path.read_text())["machine"] if a.report_only and path.exists() else peers.machine()
     if not a.report_only:
         cases = [c for c in CASES if a.only is None or a.only in c.label]
         runs = _measure_all(cases, runs, path, machine, a.timeout, confirm=not a.no_confirm, train=not a.plans_only)
