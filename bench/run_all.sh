@@ -27,4 +27,12 @@ bench --ctx 2048 --steps 2 --path walk --ubatch 256 --out "$out/smollm2-walk-ctx
 bench --ctx 2048 --steps 2 --path walk --ubatch 256 --lora --out "$out/smollm2-walk-ctx2048-lora"
 
 python -c "from remat.bench.compare import write_summary; print(write_summary('$out'))"
+
+# Against the peers (PEERS=1; hours on 2 shared cores): the longest window in 4/8/16 GiB against Hugging Face +
+# PEFT, and full fine-tuning throughput against llama.cpp's llama-finetune ($REMAT_LLAMA_FINETUNE, or
+# $REMAT_LLAMA_SDIST: the llama-cpp-python sdist to build it from) and HF + PEFT. Both go on from their runs.json.
+if [[ "${PEERS:-0}" == 1 ]]; then
+  python -m remat.bench.longest_window >/dev/null
+  python -m remat.bench.train_peers >/dev/null
+fi
 echo "done in $((SECONDS - start)) s" >&2

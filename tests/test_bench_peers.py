@@ -1,0 +1,154 @@
+"""The benches against remat's peers: their fits, rows and parsing (no run, no timing)."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import pytest
+
+from remat.bench import llama_cpp, train_peers
+from remat.bench.longest_report import (
+    GiB,
+    MiB,
+    anchored,
+    cell,
+    confirmations,
+    fit,
+    floor_bytes,
+    longest,
+    max_context,
+    parameter_count,
+    piecewise_longest,
+    predict,
+    ratio,
+    rows,
+    side_row,
+)
+
+
+def test_fit_line_through_two_windows_and_its_longest_window():
+    coef = fit([(1000, 3 * GiB), (2000, 4 * GiB)])
+    assert coef == pytest.approx([2 * GiB, GiB / 1000])
+    assert longest(coef, 8 * GiB) == pytest.approx(6000)
+    assert predict(coef, 6000) == pytest.approx(8 * GiB)
+    assert longest(coef, GiB) == 0.0  # the intercept alone is over the budget
+
+
+def test_fit_parabola_from_three_windows_never_bends_down():
+    pts = [(n, 100 + 2 * n + 0.01 * n * n) for n in (100, 200, 400)]
+    coef = fit(pts)
+    assert coef == pytest.approx([100, 2, 0.01])
+    assert predict(coef, longest(coef, 10_000)) == pytest.approx(10_000)
+    concave = [(100, 100), (200, 190), (400, 300)]
+    assert len(fit(concave) or []) == 2  # bending down would promise windows no run showed: the line
+    assert fit([(100, 1)]) is None and fit([(100, 1), (100, 2)]) is None
+
+
+def test_a_peak_that_does_not_grow_is_unbounded():
+    assert longest([GiB, 0.0], 2 * GiB) == math.inf
+    assert longest([3 * GiB, -1.0], 2 * GiB) == 0.0
+
+
+def test_piecewise_curve_and_plans_anchored_on_measured_peaks():
+    plans = {1000: 100, 2000: 200, 4000: 400}
+    curve = anchored(plans, [(1000, 150), (2000, 260)])  # gaps 50 and 60: the median of two is the upper one
+    assert curve == [(1000, 160), (2000, 260), (4000, 460)]
+    assert piecewise_longest(curve, 360) == pytest.approx(3000)
+    assert piecewise_longest(curve, 660) == pytest.approx(6000)  # past the last plan: its last segment goes on
+    assert piecewise_longest(curve, 100) == 0.0
+    assert anchored(plans, []) is None and anchored({1000: 1}, [(1000, 2)]) is None
+    assert anchored(plans, [], offset=7) == [(1000, 107), (2000, 207), (4000, 407)]  # another model's runs
+
+
+def test_side_row_statuses():
+    assert side_row(9000.0, 4 * GiB, 5 * GiB, 8192, {})["status"] == "weights"
+    assert side_row(None, 4 * GiB, GiB, 8192, {})["status"] == "unmeasured"
+    capped = side_row(math.inf, 4 * GiB, GiB, 8192, {8192: 3 * GiB})
+    assert (capped["status"], capped["window"], capped["confirmed"]) == ("capped", 8192, True)
+    found = side_row(5000.7, 4 * GiB, GiB, 8192, {5000: 5 * GiB})
+    assert (found["status"], found["window"], found["confirmed"]) == ("fit", 5000, False)
+    assert "over the budget" in cell(found)
+    assert side_row(0.4, 4 * GiB, GiB, 8192, {})["status"] == "none"
+    assert "weights do not fit" in cell(side_row(1.0, GiB, 2 * GiB, 8192, {}))
+
+
+def test_ratio_says_how_to_read_it():
+    fit_ = {"status": "fit", "window": 1000}
+    assert ratio({"status": "fit", "window": 3000}, fit_) == (3.0, "exact")
+    assert ratio({"status": "capped", "window": 8192}, {"status": "fit", "window": 4096}) == (
+        2.0, "at least (remat capped)")
+    assert ratio({"status": "fit", "window": 3000}, {"status": "weights", "window": None}) == (
+        None, "HF fits no window")
+    assert ratio({"status": "weights", "window": None}, {"status": "weights", "window": None}) == (None, "")
+
+
+def test_full_fine_tuning_floor_counts_grads_and_both_moments():
+    assert floor_bytes(10, "hf", "full") == 160 and floor_bytes(10, "remat", "lora") == 40
+
+
+@dataclass(frozen=True)
+class _Case:
+    label: str
+    spec: str | None
+    confirm_max: int
+
+
+def _run(side: str, mode: str, ctx: int, purpose: str, peak: int | None = None, planned: int | None = None) -> dict:
+    return {"model": "tiny", "side": side, "mode": mode, "ctx": ctx, "purpose": purpose, "peak_rss": peak,
+            "planned_total": planned, "seconds": 1.0}
+
+
+def test_rows_from_runs_cap_fit_and_weights():
+    case = _Case("tiny", "tiny-llama", 4096)
+    n, cap = parameter_count("tiny-llama"), max_context("tiny-llama")
+    assert 0 < n * 4 < GiB  # the whole tiny model is far under every budget
+    runs = [_run("remat", "lora", 64, "plan", planned=10 * MiB), _run("remat", "lora", 128, "plan", planned=11 * MiB),
+            _run("remat", "lora", 64, "fit", 300 * MiB), _run("remat", "lora", 128, "fit", 301 * MiB),
+            _run("hf", "lora", 64, "fit", 300 * MiB), _run("hf", "lora", 128, "fit", 300 * MiB + 64 * MiB)]
+    got = {r["budget_gib"]: r for r in rows([case], runs, (1, 4), 2.0) if r["mode"] == "lora"}
+    one = got[1]
+    hf_window = int((GiB - 236 * MiB) / MiB)  # 1 MiB a token from 236 MiB at 0
+    assert one["hf"]["status"] == "fit" and one["hf"]["window"] == pytest.approx(hf_window, abs=1)
+    expect = "capped" if cap <= one["remat"]["fit_window"] else "fit"
+    assert one["remat"]["status"] == expect
+    assert one["target_met"] in (True, None)
+    full = next(r for r in rows([case], runs, (1,), 2.0) if r["mode"] == "full")
+    assert full["hf"]["status"] == "unmeasured" and full["ratio"] is None
+    wanted = confirmations([case], runs, (1, 4))
+    assert all(w <= case.confirm_max for *_, w in wanted) and len({t[1:] for t in wanted}) == len(wanted)
+
+
+def test_llama_progress_is_read_after_the_warm_up_window():
+    err = ("train: [█ ] data=0000001/0000003 loss=5.5±nan acc=4.30±0.90% t=00:01:56 ETA=00:03:53 \r"
+           "noise\ntrain: [██] data=0000002/0000003 loss=5.4±0.1 acc=3.71±0.59% t=00:03:26 ETA=00:01:44 \r"
+           "train: [███] data=0000003/0000003 loss=5.3±0.1 acc=4.43±0.53% t=00:04:56 ETA=00:00:00 \n")
+    rate, windows, losses = llama_cpp.tokens_per_second(err, 512)
+    assert rate == pytest.approx(2 * 512 / 180) and windows == 3 and losses == [5.5, 5.4, 5.3]
+    assert llama_cpp.tokens_per_second("no progress", 512) == (None, 0, [])
+    two = err + err.replace("t=00:0", "t=00:1")  # a second epoch: its clock starts again
+    assert llama_cpp.tokens_per_second(two, 512)[:2] == (pytest.approx(4 * 512 / 360), 6)
+
+
+def test_throughput_ratios_are_paired_by_round():
+    rounds = [[{"side": "remat", "tokens_per_second": 10.0, "peak_rss": 3}, {"side": "llama.cpp",
+               "tokens_per_second": 5.0, "peak_rss": 4}, {"side": "hf", "tokens_per_second": 8.0, "peak_rss": 5}],
+              [{"side": "hf", "tokens_per_second": 2.0, "peak_rss": 6}, {"side": "remat", "tokens_per_second": 4.0,
+               "peak_rss": 2}, {"side": "llama.cpp", "tokens_per_second": None, "peak_rss": None}]]
+    s = train_peers.summary(rounds)
+    assert s["remat_over_llama.cpp"] == {"per_round": [2.0], "median": 2.0}
+    assert s["remat_over_hf"]["per_round"] == [1.25, 2.0]
+    assert s["remat"]["peak_rss"] == 3 and s["hf"]["tokens_per_second"] == 5.0
+
+
+def test_hf_fit_follows_the_training_phase_and_its_load_must_fit_too():
+    case = _Case("tiny", "tiny-llama", 0)
+    runs = [_run("hf", "lora", 64, "fit", 900 * MiB) | {"train_peak_rss": 300 * MiB, "load_peak_rss": 900 * MiB},
+            _run("hf", "lora", 128, "fit", 900 * MiB) | {"train_peak_rss": 364 * MiB, "load_peak_rss": 900 * MiB}]
+    by = {r["budget_gib"]: r["hf"] for r in rows([case], runs, (1, 2), 2.0) if r["mode"] == "lora"}
+    # the whole-process peaks are the load's, flat: the training peaks grow 1 MiB a token from 236 MiB
+    assert by[1]["window"] == min(int((GiB - 236 * MiB) / MiB), max_context("tiny-llama"))  # the load fits 1 GiB
+    assert by[2]["window"] == min(int((2 * GiB - 236 * MiB) / MiB), max_context("tiny-llama"))
+    heavy = [r | {"load_peak_rss": 1100 * MiB} for r in runs]  # now loading alone peaks over 1 GiB
+    one = next(r["hf"] for r in rows([case], heavy, (1,), 2.0) if r["mode"] == "lora")
+    assert one["status"] == "none" and one["window"] == 0
