@@ -197,7 +197,8 @@ def test_the_cli_trains_a_saved_folder(name, tmp_path):
     model, tokenizer = C.save(name, tmp_path)
     s = C.folder_settings(tmp_path)
     cmd = [sys.executable, "-m", "remat", "finetune", "--model", str(tmp_path), "--ctx", str(s.ctx), "--batch",
-           str(s.batch), "--steps", str(s.steps), "--full", "--recompute", s.recompute, "--json"]
+           str(s.batch), "--steps", str(s.steps), "--full", "--recompute", s.recompute, "--json",
+           "--dtype", "float32"]  # a process of its own resolves auto for its CPU
     run = subprocess.run(cmd, capture_output=True, text=True, timeout=300, check=False)
     assert run.returncode == 0, run.stderr[-2000:]
     receipt = json.loads(run.stdout)

@@ -284,7 +284,8 @@ def test_a_default_job_is_planned_as_the_manager_starts(tmp_path, monkeypatch, t
 
     built: list[bool] = []
     make = gate.Planner
-    monkeypatch.setattr(gate, "Planner", lambda model: built.append(hasattr(model, "peft_config")) or make(model))
+    monkeypatch.setattr(gate, "Planner", lambda model, *device: built.append(hasattr(model, "peft_config"))
+                        or make(model, *device))
     m = new_manager(tmp_path)
     try:
         deadline = time.monotonic() + 60

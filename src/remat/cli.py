@@ -208,9 +208,10 @@ def table(plans: dict, ran: str | None = None) -> str:
     if device is not None:
         cats += ["offload", "host"]
     heads = [f"recompute {c}" + (" *" if c == ran else "") for c in cols]
-    lines = [f"{'MiB':<10}" + "".join(f"{h:>16}" for h in heads)]
+    width = max(16, *(len(h) + 2 for h in heads))  # a saved-back policy's name is longer ("on+21 *")
+    lines = [f"{'MiB':<10}" + "".join(f"{h:>{width}}" for h in heads)]
     for cat in cats:
-        lines.append(f"{cat:<10}" + "".join(f"{plans[c][cat] / MiB:>16,.1f}" for c in cols))
+        lines.append(f"{cat:<10}" + "".join(f"{plans[c][cat] / MiB:>{width},.1f}" for c in cols))
     if device is None:
         lines.append("total: params + frozen + optimizer + trace + runtime + the larger of step (graph and grads) + "
                      "cache and grads + workspace (the optimizer's update)")

@@ -15,7 +15,7 @@ from typing import Annotated, Any, Literal
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, RootModel, create_model, model_validator
 from pydantic.fields import FieldInfo
 
-from remat.base.settings import MAX_SEED, TrainSettings
+from remat.base.settings import MAX_SEED, Device, TrainSettings
 
 MAX_SCALE = 100.0  # |adapter scale|: larger ones only overflow the logits
 MAX_TEMPERATURE = 100.0
@@ -170,7 +170,9 @@ def _memory_budget() -> tuple[Any, FieldInfo]:
 
 
 _TRAIN_FIELDS: dict[str, Any] = {"recompute": _recompute(), "memory_budget": _memory_budget(),
-                                 **{n: _optional(n) for n in TRAIN_FIELDS}}
+                                 **{n: _optional(n) for n in TRAIN_FIELDS},
+                                 # its constraints on the string, not on `| None` (null would reach the pattern)
+                                 "device": _optional("device", Device)}
 TrainFields: type[Body] = create_model("TrainFields", __base__=Body, **_TRAIN_FIELDS)
 
 
