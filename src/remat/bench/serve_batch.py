@@ -33,11 +33,8 @@ import itertools
 import json
 import os
 import platform
-import shutil
 import statistics
-import subprocess
 import sys
-import tempfile
 import threading
 import time
 from pathlib import Path
@@ -247,11 +244,7 @@ def plot(res: dict, path: Path) -> None:
 
 def measure(args: argparse.Namespace) -> dict:
     """Start the server, run the rounds and the training phases; the figures (not yet summed up)."""
-    tmp = Path(tempfile.mkdtemp(prefix="remat-batch-"))
-    log_path = tmp / "server.log"
-    proc = None
-    try:
-        proc, client = slow.start_server(args, tmp / "state", log_path, parallel=CLIENTS)
+    with slow.served(args, "remat-batch-", parallel=CLIENTS) as client:
         questions = slow.prompts()
         run_round(client.port, questions, CLIENTS, 0)  # warm-up
         rounds = []
@@ -261,19 +254,6 @@ def measure(args: argparse.Namespace) -> dict:
                 print(f"round {i + 1}, {clients} client(s): {rounds[-1]['tps']:.2f} tok/s", file=sys.stderr)
         training = training_under_load(client, client.port, questions, args) if args.pairs else None
         return {"model": client.ok("GET", "/props")["model"], "rounds": rounds, "training": training}
-    except BaseException:
-        if log_path.exists():
-            print(log_path.read_text()[-4000:], file=sys.stderr)
-        raise
-    finally:
-        if proc is not None and proc.poll() is None:
-            proc.terminate()
-            try:
-                proc.wait(30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
-        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -36,6 +36,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -331,19 +332,16 @@ def markdown(res: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _measure(args: argparse.Namespace, started: float) -> tuple[list[dict], str, dict]:
-    """One server: decode alone and beside a training job, for each mode; its runs, model and final metrics."""
-    tmp = Path(tempfile.mkdtemp(prefix="remat-slowdown-"))
+@contextlib.contextmanager
+def served(args: argparse.Namespace, prefix: str, parallel: int = CONCURRENCY) -> Iterator[Client]:
+    """A `remat serve` of its own (`start_server`) in a temporary folder, for the block's measurements: on a failure
+    the end of its log is printed; it is stopped and its folder removed either way."""
+    tmp = Path(tempfile.mkdtemp(prefix=prefix))
     log_path = tmp / "server.log"
     proc = None
     try:
-        proc, client = start_server(args, tmp / "state", log_path)
-        print(f"server ready in {time.monotonic() - started:.0f} s", file=sys.stderr)
-        questions = prompts()
-        records = corpus_records(8)
-        decode_phase(client, min(5.0, args.seconds), questions)  # warm-up
-        runs = [run_mode(client, recompute, args, questions, records) for recompute in (False, True)]
-        return runs, client.ok("GET", "/props")["model"], metrics(client)
+        proc, client = start_server(args, tmp / "state", log_path, parallel=parallel)
+        yield client
     except BaseException:
         if log_path.exists():
             print(log_path.read_text()[-4000:], file=sys.stderr)
@@ -357,6 +355,17 @@ def _measure(args: argparse.Namespace, started: float) -> tuple[list[dict], str,
                 proc.kill()
                 proc.wait()
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _measure(args: argparse.Namespace, started: float) -> tuple[list[dict], str, dict]:
+    """One server: decode alone and beside a training job, for each mode; its runs, model and final metrics."""
+    with served(args, "remat-slowdown-") as client:
+        print(f"server ready in {time.monotonic() - started:.0f} s", file=sys.stderr)
+        questions = prompts()
+        records = corpus_records(8)
+        decode_phase(client, min(5.0, args.seconds), questions)  # warm-up
+        runs = [run_mode(client, recompute, args, questions, records) for recompute in (False, True)]
+        return runs, client.ok("GET", "/props")["model"], metrics(client)
 
 
 def main(argv: list[str] | None = None) -> int:
