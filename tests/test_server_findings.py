@@ -236,6 +236,7 @@ def test_head_answers_where_get_does(server):
 
 def test_non_streaming_completion_is_cancelled_on_disconnect(server):
     body = json.dumps({"prompt": "Hi", "n_predict": 2000, "temperature": 0}).encode()  # ~4 s of decoding
+    logged = server.log.stat().st_size
     with socket.create_connection(("127.0.0.1", server.port)) as s:
         s.sendall(b"POST /completion HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
                   b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
@@ -247,6 +248,9 @@ def test_non_streaming_completion_is_cancelled_on_disconnect(server):
     out = server.ok("POST", "/completion", {"prompt": "next", "n_predict": 2})  # the only slot, freed
     # one token when it samples the end of text first (it did, once in many runs)
     assert out["tokens_predicted"] in (1, 2) and time.monotonic() - hung_up < 1.5
+    with server.log.open("rb") as log:  # the request that was left ended cleanly (closing its stream once failed)
+        log.seek(logged)
+        assert b"Traceback" not in log.read()
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -5,6 +5,7 @@ and the OpenAPI text of a stream."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import json
 import logging
@@ -148,8 +149,10 @@ async def whole(g: Generation, request: Request) -> None:
         while True:
             nxt = asyncio.ensure_future(anext(stream))
             await asyncio.wait({nxt, gone}, return_when=asyncio.FIRST_COMPLETED)
-            if not nxt.done():
+            if not nxt.done():  # the client left: the pending read ends before the stream is closed
                 nxt.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await nxt
                 return
             ev = nxt.result()
             if ev.kind == "error":
