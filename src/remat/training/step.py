@@ -195,6 +195,14 @@ class Planner:
             kept.graphs.clear()
             kept.rewriter, kept.stamper, kept.stamped = None, None, False
 
+    def keep_only(self, shape: StepShape, policy: str) -> TrainGraph:
+        """The step that will run, alone: the other graphs (the trace, other policies', the rewriter) dropped, the
+        plans kept. A run holds its one graph; the others were only planned (SmolLM2's demo: ~60 MiB each)."""
+        graph = self.build(shape, policy)
+        self.forget_graphs()
+        self._at(shape).kept.graphs[policy_name(policy)] = graph
+        return graph
+
     def _trace(self, at: _Step) -> TrainGraph:
         stamper = self._stamper(at)
         if stamper is not None:

@@ -264,17 +264,23 @@ def _setup_early_gate(s: TrainSettings, dp: distributed.Ranks, budget: gate.Budg
 
 def _setup_gate(s: TrainSettings, dp: distributed.Ranks, model: torch.nn.Module, budget: gate.Budget,
                 runtime: int, hooks: Hooks) -> gate.Admitted:
-    """The gate on the step that will run, traced: its graphs (off and on, the two every answer shows) and their
-    code are made first, so the memory they take (`trace`) is measured and counted."""
+    """The gate on the step that will run, traced: its graphs (off and on, the two every answer shows) are made
+    first, so the memory they take (`trace`) is counted; then the chosen one alone is kept, its code made, and the
+    trace measured again."""
     planner = Planner(model)
     shape = StepShape.of(dp.local(s))
     if shape.path == "walk":  # the walk's probes run the model on two tokens: its weights are paged in here (the
         planner.probes.state_shapes(shape.batch, shape.ctx)  # plan's params), not counted again as the trace
+    trim_heap()  # the trace is measured on a trimmed heap at both ends
     before = resident()
     for name in ("off", "on"):
-        planner.build(shape, name).make_code()
-    trace = resident() - before
-    admitted = gate.admit(s, budget.less("the trace", trace), world_size=dp.world_size, planner=planner)
+        planner.build(shape, name)
+    trim_heap()
+    admitted = gate.admit(s, budget.less("the trace", resident() - before), world_size=dp.world_size,
+                          planner=planner)
+    planner.keep_only(shape, admitted.policy).make_code()
+    trim_heap()  # compiling the code takes ~10x the memory the code keeps (the demo: ~75 MiB, 8 kept)
+    trace = max(0, resident() - before)
     for p in admitted.plans.values():  # the budget covers what the job allocates; the total, the whole process
         p.runtime, p.trace = runtime, trace
     if dp.is_main:
