@@ -280,3 +280,17 @@ def test_each_weights_grad_is_made_float32_where_it_is_made(get_case):
                and n.args[0] in nodes[end + 1:]]
     assert upcasts and all(n.prev is n.args[0] for n in upcasts)
 
+
+
+def test_a_bf16_lora_walk_chunk_is_stamped_and_planned_as_traced_whole():
+    """The walk's LoRA grads go into their sums through a hook (`capture.into`) whose zero reads the grad made
+    float32: moved with its upcast to where the grad is made, the backward stays layer by layer and the default
+    model's walk chunk is stamped (it was traced whole at every probe of `remat plan --ctx max`). Its plans are the
+    whole trace's, to the byte."""
+    s = TrainSettings(ctx=512, path="walk", ubatch=256, dtype="bfloat16")  # the embedded SmolLM2 GGUF, LoRA
+    planner, shape = planner_of(s), StepShape.of(s)
+    stamped = planner.plans(shape, ("off", "on", "every:2"))
+    assert planner._at(shape).kept.stamper is not None  # stamped, not traced whole
+    whole = planner_of(s)
+    whole.planning = False  # traced whole, every layer
+    assert stamped == whole.plans(shape, ("off", "on", "every:2"))

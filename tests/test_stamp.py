@@ -19,7 +19,7 @@ from remat.core.plan import plan
 from remat.core.recompute import LAYER, Rewriter
 from remat.fastplan import picking, pieces, stamp
 from remat.models import load as models
-from remat.models.hf import UnsupportedModel
+from remat.models.hf import UnsupportedModel, decoder_layers
 from remat.models.steps import window_step
 from remat.training import step
 
@@ -154,6 +154,24 @@ def test_stamped_pieces_with_a_short_last_piece(name):
 
     stamped, full = pieces.stamp(whole, C.SEQ + 1, LOSS_CHUNK), whole()
     assert traced[0] < traced[1] == len(stamped.graph.nodes)  # six pieces traced, nine in the graph
+    assert _described(stamped) == _described(full)
+    assert plan(stamped).as_dict() == plan(full).as_dict()
+
+
+def test_stamped_pieces_in_bfloat16():
+    """In bfloat16 each piece's backward casts the head's weight (qwen2.5's, tied to the embedding) where it reads
+    it (`precision.casts_where_read`): nodes that read no piece's, stamped with their piece (the step was traced with
+    all its pieces at every window of `remat plan --ctx max`). The whole trace's graph, node for node."""
+    s = TrainSettings(model="qwen2.5-coder-1.5b", ctx=1024, dtype="bfloat16")
+    planner = planner_of(s)
+    layers = decoder_layers(planner.model)
+    ids = torch.zeros(1, s.ctx, dtype=torch.long)
+
+    def whole() -> TrainGraph:
+        return window_step(planner.model, ids, ids.clone(), loss_chunk=64, dtype=torch.bfloat16)
+
+    with picking.only_layers(planner.model, layers, (0, 1, len(layers) - 1)):
+        stamped, full = pieces.stamp(whole, s.ctx, 64), whole()
     assert _described(stamped) == _described(full)
     assert plan(stamped).as_dict() == plan(full).as_dict()
 

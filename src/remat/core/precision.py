@@ -192,7 +192,7 @@ def upcasts_where_made(tg: TrainGraph) -> int:
         if any(alias.is_mutating(x) and made in x.all_input_nodes for x in between):
             continue  # written after it is made: the upcast reads the value as it is at its place
         after = made
-        for x in [n, *(u for u in n.users if alias.is_mutating(u) and _reads_only(u, n))]:
+        for x in [n, *(u for u in n.users if alias.is_mutating(u) and _reads_only(u, n)), *_hook_zero(n)]:
             after.append(x)
             after = x
             moved += 1
@@ -200,6 +200,14 @@ def upcasts_where_made(tg: TrainGraph) -> int:
         graph.lint()
         tg.gm.recompile()
     return moved
+
+
+def _hook_zero(grad: fx.Node) -> list[fx.Node]:
+    """The zero a gradient hook passes on in place of `grad` (`capture.into`: a scalar of its kind, expanded to its
+    shape), made as the hook runs: just after the grad, with it."""
+    zeros = [u for u in grad.users if u.target is torch.ops.aten.new_zeros.default and u.all_input_nodes == [grad]]
+    return [*zeros, *(e for z in zeros for e in z.users if e.target is torch.ops.aten.expand.default
+                      and e.all_input_nodes == [z])]
 
 
 def _reads_only(node: fx.Node, value: fx.Node) -> bool:

@@ -77,8 +77,8 @@ def _segments(small: TrainGraph, step: int, pieces: list[int]) -> _Segments:
     bwd, order = backward_starts(small, label, len(pieces), "the loss's backward does not run piece by piece")
     backward = [bwd[order[len(pieces) - 1 - s]:(order[len(pieces) - s] if s else len(bwd))]
                 for s in range(len(pieces))]
-    for s in (1, MIDDLE, 3):
-        if any(label.get(n) != s for n in backward[s]):
+    for s in (1, MIDDLE, 3):  # unlabelled: reads no piece's node (a weight cast where the backward reads it)
+        if any(label.get(n, s) != s for n in backward[s]):
             raise NotStampable(f"the backward of piece {pieces[s]} reads another piece's nodes")
     where.update((n, ("B", s)) for s, seg in enumerate(backward) for n in seg)
     return _Segments(forward, backward, where)
