@@ -28,6 +28,9 @@ bench --ctx 2048 --steps 2 --path walk --ubatch 256 --lora --out "$out/smollm2-w
 
 python -c "from remat.bench.compare import write_summary; print(write_summary('$out'))"
 
+# The demo three ways (float32 weights, the GGUF's blocks in float32, in the compute dtype auto picks), interleaved.
+python -m remat.bench.precision >/dev/null
+
 # Against the peers (PEERS=1; hours on 2 shared cores): the longest window in 4/8/16 GiB against Hugging Face +
 # PEFT, and full fine-tuning throughput against llama.cpp's llama-finetune ($REMAT_LLAMA_FINETUNE, or
 # $REMAT_LLAMA_SDIST: the llama-cpp-python sdist to build it from) and HF + PEFT. Both go on from their runs.json.
