@@ -65,13 +65,11 @@ def _f32(b: torch.Tensor) -> torch.Tensor:
 
 
 def _nibbles(qs: torch.Tensor) -> torch.Tensor:
-    """uint8 [n, k] -> [n, 2k]: each row's low nibbles, then its high ones (made in uint8 and converted in one
-    pass: converting into the halves of a float row was twice as slow)."""
-    n, k = qs.shape
-    out = torch.empty(n, 2, k, dtype=torch.uint8)
-    torch.bitwise_and(qs, 0x0F, out=out[:, 0])
-    torch.bitwise_right_shift(qs, 4, out=out[:, 1])
-    return out.view(n, 2 * k)
+    """uint8 [n, k] (k a multiple of 4) -> [n, 2k]: each row's low nibbles, then its high ones. Four bytes at a
+    time, as int32: a byte's high nibble shifted down is masked clear of the next byte's bits (1.6x the bytewise
+    masks into a strided output)."""
+    x = qs.contiguous().view(torch.int32)
+    return torch.cat((x & 0x0F0F0F0F, (x >> 4).bitwise_and_(0x0F0F0F0F)), dim=1).view(torch.uint8)
 
 
 def _high_bits(qh: torch.Tensor) -> torch.Tensor:
@@ -80,13 +78,15 @@ def _high_bits(qh: torch.Tensor) -> torch.Tensor:
     return ((qh.unsqueeze(-1) >> shifts) & 1).reshape(qh.shape[0], 32)
 
 
-def _sum(a: torch.Tensor, b: torch.Tensor, maybe_nan: torch.Tensor, alpha: int = 1) -> torch.Tensor:
+def _sum(a: torch.Tensor, b: torch.Tensor, alpha: int = 1) -> torch.Tensor:
     """`a + alpha * b` in place, b broadcast per block. Where both are NaN, numpy's result is a's NaN; torch's
-    vectorised add computes `alpha * b + a` and keeps b's. So the blocks where both can be NaN (`maybe_nan`, from
-    their non-finite scales: a corrupt or adversarial file) are redone by that rule; other blocks cost nothing."""
-    if not maybe_nan.any():
+    vectorised add computes `alpha * b + a` and keeps b's. So the blocks where b has a NaN (its scales not finite:
+    a corrupt or adversarial file) are redone by that rule; where it has none (every sound file) the check costs
+    two small ops."""
+    nan = b.isnan()
+    if not nan.any():
         return a.add_(b, alpha=alpha)
-    odd = maybe_nan.reshape(-1).nonzero().squeeze(1)
+    odd = nan.reshape(len(nan), -1).any(1).nonzero().squeeze(1)
     first = a[odd]
     a.add_(b, alpha=alpha)
     a[odd] = torch.where(first.isnan(), first, a[odd])
@@ -101,7 +101,7 @@ def _q4_0(b: torch.Tensor) -> torch.Tensor:
 def _q4_1(b: torch.Tensor) -> torch.Tensor:
     dm = _half(b[:, :4])  # d and m, side by side
     d, m = dm[:, :1], dm[:, 1:]
-    return _sum(_nibbles(b[:, 4:]).float().mul_(d), m, ~d.isfinite() & m.isnan())  # (d * q) + m
+    return _sum(_nibbles(b[:, 4:]).float().mul_(d), m)  # (d * q) + m
 
 
 def _five_bits(qh: torch.Tensor, qs: torch.Tensor) -> torch.Tensor:
@@ -116,7 +116,7 @@ def _q5_0(b: torch.Tensor) -> torch.Tensor:
 def _q5_1(b: torch.Tensor) -> torch.Tensor:
     dm = _half(b[:, :4])
     d, m = dm[:, :1], dm[:, 1:]
-    return _sum(_five_bits(b[:, 4:8], b[:, 8:]).float().mul_(d), m, ~d.isfinite() & m.isnan())
+    return _sum(_five_bits(b[:, 4:8], b[:, 8:]).float().mul_(d), m)
 
 
 def _q8_0(b: torch.Tensor) -> torch.Tensor:
@@ -143,7 +143,7 @@ def _q4_k(b: torch.Tensor) -> torch.Tensor:
     d, dmin = _half(b[:, :2]).unsqueeze(-1), _half(b[:, 2:4]).unsqueeze(-1)
     sc, mn = _scale_min_k4(b[:, 4:16])
     q = _k_sub_blocks(b[:, 16:]).float().mul_(d * sc)
-    return _sum(q, dmin * mn, ~d.isfinite() & ~dmin.isfinite(), -1).reshape(-1, QK_K)  # (d * sc) * q - dmin * m
+    return _sum(q, dmin * mn, -1).reshape(-1, QK_K)  # (d * sc) * q - dmin * m
 
 
 def _q5_k(b: torch.Tensor) -> torch.Tensor:
@@ -152,7 +152,7 @@ def _q5_k(b: torch.Tensor) -> torch.Tensor:
     sc, mn = _scale_min_k4(b[:, 4:16])
     qh = b[:, 16:48].reshape(n, 1, 32) >> torch.arange(8, dtype=torch.uint8).reshape(1, 8, 1)
     q = (_k_sub_blocks(b[:, 48:]) | ((qh & 1) << 4)).float().mul_(d * sc)
-    return _sum(q, dmin * mn, ~d.isfinite() & ~dmin.isfinite(), -1).reshape(-1, QK_K)
+    return _sum(q, dmin * mn, -1).reshape(-1, QK_K)
 
 
 def _q6_k(b: torch.Tensor) -> torch.Tensor:
