@@ -74,6 +74,7 @@ def test_auto_on_this_machine_follows_its_cpu_flags(fresh_resolve):
 
 @pytest.mark.parametrize("supported", [True, False])
 def test_auto_on_cuda_asks_the_device(fresh_resolve, monkeypatch, supported):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **kw: supported)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a, **kw: "a test GPU")
     p = fresh_resolve("auto", "cuda")
@@ -81,6 +82,17 @@ def test_auto_on_cuda_asks_the_device(fresh_resolve, monkeypatch, supported):
     if not supported:
         with pytest.raises(UsageError, match="cannot compute bfloat16"):
             fresh_resolve("bfloat16", "cuda")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="planning for CUDA without one: this machine has one")
+def test_a_cuda_job_planned_without_a_gpu_computes_in_bfloat16(fresh_resolve, monkeypatch):
+    """`remat plan --device cuda` on a machine without a GPU plans what auto would choose on any card since Ampere;
+    the CPU's flags do not decide it (they did: a CPU without AVX512-BF16 planned a GPU job in float32)."""
+    p = fresh_resolve("auto", "cuda:1")
+    assert p.dtype == BF16 and "CUDA" in p.reason and "none here" in p.reason, p
+    assert fresh_resolve("bfloat16", "cuda").dtype == BF16
+    monkeypatch.setattr(precision, "resolve", fresh_resolve)  # the step's shape as a process without the pin has it
+    assert StepShape.of(TrainSettings(dtype="auto", device="cuda")).dtype == "bfloat16"
 
 
 def test_an_unknown_dtype_is_a_usage_error_of_one_line(fresh_resolve):

@@ -423,7 +423,11 @@ def test_plan_first_queues_nothing(server):
     a job's own memory_budget (bytes or "64KiB") caps the server's and can make it 422 with the plans."""
     before = [j["id"] for j in server.ok("GET", "/train")["data"]]
     plan = server.ok("POST", "/train/plan", cat_job(name="planned"))
-    assert set(plan) == {"plan", "plans", "policy", "recompute", "recompute_reason", "budget", "steps"}
+    assert set(plan) == {"plan", "plans", "policy", "recompute", "recompute_reason", "budget", "steps", "dtype",
+                         "dtype_reason"}
+    assert plan["dtype"] in ("float32", "bfloat16") and plan["dtype_reason"].startswith("auto:"), plan  # per CPU
+    named = server.ok("POST", "/train/plan", cat_job(dtype="bfloat16"))
+    assert (named["dtype"], named["dtype_reason"]) == ("bfloat16", "--dtype bfloat16"), named
     assert plan["policy"] == "off" and plan["recompute"] is False and plan["plan"] == plan["plans"]["off"]
     assert {"off", "on"} <= set(plan["plans"]) and "not needed" in plan["recompute_reason"] and plan["steps"] > 1
     assert [j["id"] for j in server.ok("GET", "/train")["data"]] == before  # nothing queued

@@ -289,7 +289,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
                               "lora": s.lora, "device": str(device), "world_size": args.world_size,
                               "rank_batch": admitted.settings.batch, "weights": s.weights,
                               "optimizer_in_backward": admitted.settings.optimizer_in_backward,
-                              "dtype": admitted.shape.dtype, "dtype_reason": precision.resolve(s.dtype).reason,
+                              "dtype": admitted.shape.dtype,
+                              "dtype_reason": precision.resolve(s.dtype, s.device).reason,
                               "plans": {k: admitted.plans[k].as_dict() for k in shown}}
     if gated:
         result |= {"policy": admitted.policy, "reason": admitted.choice.reason, "plan": admitted.plan.as_dict(),

@@ -30,7 +30,7 @@ import torch
 from torch import fx
 
 from remat.base.settings import UsageError
-from remat.core import alias
+from remat.core import alias, devices
 from remat.core.capture import copied_value
 from remat.core.graph import TrainGraph
 
@@ -75,15 +75,22 @@ def _native_bf16_cpu() -> str | None:
 
 @functools.cache
 def resolve(asked: str, device: str = "cpu") -> Precision:
-    """The dtype `--dtype asked` computes in on `device` ("cpu", "cuda", "cuda:N"), and why; UsageError for a dtype
-    the device cannot run."""
+    """The dtype `--dtype asked` computes in on `--device device` (auto, cpu, cuda, cuda:N, mps: planned for it, here
+    or not), and why; UsageError for a dtype the device cannot run."""
+    device = str(devices.planned(device))
     kind = torch.device(device).type
+    here = kind != "cuda" or torch.cuda.is_available()  # a CUDA job can be planned on a machine without one
     if asked != "auto":
         if asked not in DTYPES:
             raise UsageError(f"--dtype {asked}: not one of auto, {', '.join(DTYPES)}")
-        if kind == "cuda" and asked == "bfloat16" and not torch.cuda.is_bf16_supported():
+        if kind == "cuda" and here and asked == "bfloat16" and not torch.cuda.is_bf16_supported():
             raise UsageError(f"--dtype bfloat16: {torch.cuda.get_device_name(device)} cannot compute bfloat16")
         return Precision(DTYPES[asked], f"--dtype {asked}")
+    if not here:
+        return Precision(torch.bfloat16, "auto: planned for a CUDA device (none here) as bfloat16, which every one "
+                                         "since Ampere computes")
+    if kind == "mps":
+        return Precision(torch.float32, "auto: float32 on MPS (bfloat16 there is untested)")
     if kind == "cuda":
         name = torch.cuda.get_device_name(device)
         if torch.cuda.is_bf16_supported():

@@ -69,13 +69,13 @@ class _Planned:
     records: list[dict]
     name: str | None
     steps: int | None
-    gate: dict  # plans, policy, recompute, recompute_reason, budget (stored with the job)
+    gate: dict  # plans, policy, recompute, recompute_reason, budget, dtype and why (stored with the job)
 
     def answer(self) -> dict:
         g = self.gate
         return {"plan": g["plans"][g["policy"]], "plans": g["plans"], "policy": g["policy"],
                 "recompute": g["recompute"], "recompute_reason": g["recompute_reason"], "budget": g["budget"],
-                "steps": self.steps}
+                "steps": self.steps, "dtype": g["dtype"], "dtype_reason": g["dtype_reason"]}
 
 
 class JobManager:
@@ -350,7 +350,8 @@ class JobManager:
                 planners.forget_graphs()  # the plans are kept: a server asked many shapes keeps no graphs
         answer = admitted.answer()
         return {"plans": answer["plans"], "policy": admitted.policy, "recompute": admitted.policy != "off",
-                "recompute_reason": answer["recompute_reason"], "budget": budget.bytes}
+                "recompute_reason": answer["recompute_reason"], "budget": budget.bytes, "dtype": answer["dtype"],
+                "dtype_reason": answer["dtype_reason"]}
 
     def budget(self, s: TrainSettings) -> gate.Budget:
         """A job's budget: its own `memory_budget` at most the server's (`--memory-budget`; else the free memory,

@@ -364,6 +364,8 @@ class Plan(Out):
     recompute_reason: str
     budget: int
     steps: int | None
+    dtype: str = Field(description="what the step computes in (float32, bfloat16, float16): `auto` resolved")
+    dtype_reason: str = Field(description="why: the setting, or what auto found on the device")
 
 
 class Longest(Out):

@@ -21,7 +21,7 @@ import transformers
 from torch import nn
 
 from remat.base.settings import GateRefused, TrainSettings, UsageError
-from remat.core import devices
+from remat.core import devices, precision
 from remat.core.capture import EagerStridesFakeMode
 from remat.core.plan import Plan, mib
 from remat.core.process import available_memory
@@ -133,7 +133,8 @@ class Admitted:
         device = {"device": self.budget.device, "host_budget": self.budget.host.bytes} if self.budget.host else {}
         return {"policy": self.policy, "recompute_reason": self.choice.reason, "budget": self.budget.bytes,
                 "budget_source": str(self.budget), "plans": {k: p.as_dict() for k, p in self.plans.items()},
-                "optimizer": self.updates_note(), **device}
+                "optimizer": self.updates_note(), "dtype": self.shape.dtype,
+                "dtype_reason": precision.resolve(self.settings.dtype, self.settings.device).reason, **device}
 
     def updates_note(self) -> str:
         """Where the optimizer runs, in one line (and why not in the backward, where it cannot be)."""

@@ -49,7 +49,7 @@ class StepShape:
     def of(cls, s: TrainSettings) -> StepShape:
         on_walk = s.path == "walk"
         return cls(s.path, s.batch, s.ctx, s.ubatch if on_walk else None, s.loss_chunk, s.walk if on_walk else None,
-                   in_backward(s), precision.resolve(s.dtype).name)
+                   in_backward(s), precision.resolve(s.dtype, s.device).name)
 
     @property
     def compute(self) -> torch.dtype:

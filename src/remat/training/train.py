@@ -312,7 +312,7 @@ def _receipt(run: _Run, losses: list[float], first: int, saved: list[str], elaps
         outputs=save_outputs(run.model, run.loaded, s, run.out) if run.out and dp.is_main else [],
         world_size=dp.world_size,
         optimizer_state_bytes=dp.optimizer_state_bytes(run.optimizer),
-        dtype=admitted.shape.dtype, dtype_reason=precision.resolve(s.dtype).reason,
+        dtype=admitted.shape.dtype, dtype_reason=precision.resolve(s.dtype, s.device).reason,
     )
 
 
