@@ -129,7 +129,7 @@ def measure(args: argparse.Namespace) -> dict:
         for proc, _ in servers.values():
             proc.terminate()
             proc.wait(30)
-    med = {k: statistics.median(v) for k, v in rates.items() if v}
+    med = {k: round(statistics.median(v), 2) for k, v in rates.items() if v}
     ratio = med["blocks"] / med["llama-bench"] if "llama-bench" in med else None
     return {"model": gguf.name, "threads": args.threads, "rounds": rates, "median_tps": med,
             "blocks_over_float32": med["blocks"] / med["float32"], "blocks_over_llama_bench": ratio,
