@@ -12,31 +12,18 @@ with room (2^-8): an error of one step of q (|scale|) is far above it.
 from __future__ import annotations
 
 import gguf
-import numpy as np
 import pytest
 import torch
 
+from remat.bench.packed_rows import random_blocks as _random_blocks
 from remat.serve import packed
 
 Q = gguf.GGMLQuantizationType
-# where each type keeps its float16 scale (and min) in a block
-HALVES = {Q.Q4_0: (0,), Q.Q4_1: (0, 2), Q.Q5_0: (0,), Q.Q5_1: (0, 2), Q.Q8_0: (0,), Q.Q4_K: (0, 2), Q.Q5_K: (0, 2)}
-
-
-def _random_blocks(qtype: Q, n: int, k: int, seed: int) -> torch.Tensor:
-    """[n, row bytes] of random quants and sub-block scales, the float16 scales finite: ±[2^-10, 2^-2]."""
-    rng = np.random.default_rng(seed)
-    block, size = gguf.GGML_QUANT_SIZES[qtype]
-    raw = rng.integers(0, 256, (n * k // block, size), dtype=np.uint8)
-    for at in HALVES[qtype]:
-        halves = (rng.choice([-1, 1], len(raw)) * 2.0 ** rng.uniform(-10, -2, len(raw))).astype(np.float16)
-        raw[:, at:at + 2] = halves.view(np.uint8).reshape(-1, 2)
-    return torch.from_numpy(raw.reshape(n, -1))
 
 
 def _kernel_weight(p: packed.Packed, k: int) -> torch.Tensor:
-    """The weight the kernel multiplies by, [N, K]: the packed layer's product with the identity."""
-    return p.mm(torch.eye(k)).T
+    """The weight the kernel multiplies by, [N, K]: its product with the identity."""
+    return p.kernel(torch.eye(k, dtype=torch.bfloat16)).float().T
 
 
 @pytest.mark.parametrize("qtype", sorted(packed.PACKABLE), ids=lambda q: Q(q).name)
@@ -57,6 +44,8 @@ def test_packed_weight_is_the_dequantized_one(qtype):
     bound = 2.0 ** -8 * (q.abs() * per_group(scale.abs()) + per_group(offset.abs() + 16 * scale.abs()) + want.abs())
     err = (got - want).abs()
     assert (err <= bound).all(), float((err - bound).max())
+    # the dense path (many rows) multiplies by the weight dequantized to bfloat16: each weight rounded once
+    assert torch.equal(p.dense(torch.eye(k, dtype=torch.bfloat16)).float().T, want.bfloat16().float())
     assert p.parts == (2 if hi - lo > 15 else 1)
     assert p.nbytes == p.parts * (n * k // 2 + n * k // packed.GROUP * 4)
 
@@ -71,6 +60,22 @@ def test_rows_of_any_shape_and_dtype():
     assert y.shape == (2, 3, n) and y.dtype == torch.float32
     ref = x.bfloat16().float() @ w.T
     assert torch.allclose(y, ref, rtol=2 ** -6, atol=2 ** -6 * float(ref.abs().max()))
+
+
+@pytest.mark.parametrize("qtype", [Q.Q4_1, Q.Q8_0], ids=lambda q: Q(q).name)
+def test_many_rows_take_the_dense_path(qtype):
+    """Below the type's `DENSE_ROWS` the product is the kernel's, from there the dequantized weight's (and the two
+    differ there: else this would not tell them apart); a weight taller than `CHUNK` is dequantized in pieces."""
+    n, k = packed.CHUNK + 64, 64
+    p = packed.pack(qtype, _random_blocks(qtype, n, k, seed=2), (n, k))
+    assert p.dense_rows == packed.DENSE_ROWS[qtype]
+    for m in (1, p.dense_rows - 1, p.dense_rows, 2 * p.dense_rows):
+        x = torch.randn(m, k)
+        kernel, dense = p.kernel(x.bfloat16()).float(), p.dense(x.bfloat16()).float()
+        assert not torch.equal(kernel, dense)
+        assert torch.equal(p.mm(x), dense if m >= p.dense_rows else kernel), m
+    w = torch.ops.remat.dequantize(_random_blocks(qtype, n, k, seed=2), int(qtype), (n, k), torch.bfloat16)
+    assert torch.equal(dense, (x.bfloat16() @ w.T).float())
 
 
 def test_unpackable_types_are_refused():
@@ -130,6 +135,28 @@ def test_greedy_tokens_equal_the_dequantized_model(engines):
         want, want_logits = _greedy(engines["float32"], prompt)
         assert got == want, prompt
         assert float((got_logits - want_logits).abs().max()) < LOGIT_TOLERANCE, prompt
+
+
+LONG = " ".join(f"Item {i}: the {w} is on the table." for i, w in enumerate(["cup", "book", "key", "pen"] * 8))
+
+
+def test_long_prefill_dense_equals_the_kernel(engines, monkeypatch):
+    """A long prompt's prefill (one forward of its ~300 tokens) runs the packed layers densely (`Packed.dense`):
+    its greedy continuation equals the one prefilled through the int4 kernel alone, and the float32 model's; the
+    logits agree within LOGIT_TOLERANCE (both are bfloat16 products of the same weights, rounded differently)."""
+    engine = engines["blocks"]
+    assert len(engine.prompt_ids(LONG)) > max(packed.DENSE_ROWS.values())
+    calls = []
+    dense = packed.Packed.dense
+    monkeypatch.setattr(packed.Packed, "dense", lambda self, rows: calls.append(rows.shape[0]) or dense(self, rows))
+    got, got_logits = _greedy(engine, LONG)
+    assert len(calls) == 210 and set(calls) == {len(engine.prompt_ids(LONG))}  # every Q4_1 layer, at the prefill
+    monkeypatch.setattr(packed.Packed, "dense", packed.Packed.kernel)
+    kernel, kernel_logits = _greedy(engine, LONG)
+    want, want_logits = _greedy(engines["float32"], LONG)
+    assert got == kernel == want
+    assert float((got_logits - kernel_logits).abs().max()) < LOGIT_TOLERANCE
+    assert float((got_logits - want_logits).abs().max()) < LOGIT_TOLERANCE
 
 
 def _adapter(path) -> str:

@@ -15,6 +15,11 @@ and so does a zero; Q4_1's zero is m + 8d, a sum rounded once, so it differs fro
 |m + 8d| (`tests/test_packed.py` states the tolerances). Types the kernel cannot express (Q6_K's groups of 16,
 float16 / bfloat16 / float32 weights) are made float32 once, at load.
 
+Many rows at once (a prompt's chunk) go the other way: from `DENSE_ROWS` rows (by type, measured: ~128 for Q4_1)
+the layer dequantizes its weight from the blocks to bfloat16 and multiplies densely (`Packed.dense`), bfloat16
+products as the kernel's, each weight rounded once. A 512-token prompt of the default model prefilled in 2.7 s at
+one thread this way, 4.1 s through the kernel alone, 3.7 s from float32 weights (`--weights float32`).
+
 A packed layer keeps its stored weight (its bytes under `remat.models.stored.Stored`) and only its forward
 changes: reading `.weight` still gives the float weight, PEFT wraps the layer by its name as before and its
 adapters add their float32 product to the packed one. The packed copy is the serving copy's bytes
@@ -88,27 +93,63 @@ def integers(qtype: int, blocks: torch.Tensor, shape: tuple[int, int]) -> tuple[
     return q.reshape(n, k), scale.reshape(n, k // GROUP), offset.reshape(n, k // GROUP)
 
 
+# From how many rows a layer dequantizes its weight and multiplies densely in bfloat16 (a prompt's chunk) rather
+# than through the int4 kernel (decoding: a row per sequence), by type: where the measured times cross. Measured
+# (`python -m remat.bench.packed_rows`) on this project's 2-core x86 machine at one thread, ms per product,
+# int4 kernel / dense (dequantized in bfloat16 + matmul):
+#   rows               1            16           64           128          192          512
+#   Q4_1 576x576     0.02 / 0.56  0.13 / 0.58  0.50 / 0.72  0.99 / 0.91  1.50 / 1.16  4.04 / 2.26
+#   Q4_1 1536x576    0.06 / 1.20  0.33 / 1.51  1.33 / 2.86  3.11 / 2.90  4.23 / 2.97  10.7 / 6.35
+#   Q4_1 576x1536    0.05 / 1.33  0.33 / 1.29  1.31 / 1.99  2.62 / 3.47  4.04 / 3.26  10.8 / 5.97
+#   Q8_0 49152x576   3.33 / 18.7  22.5 / 23.6  91.6 / 45.8  185 / 65.6   275 / 85.4   802 / 195
+# and at 576x1536 the crossing of each type: Q4_0 ~96 rows, Q4_1 ~128, Q4_K ~160, Q5_0 ~96, Q5_1 ~96, Q5_K ~80,
+# Q8_0 ~20 (a cheap dequantization, and two products in the kernel: hi and lo). A prompt of 512 tokens runs the
+# Q4_1 layers 1.5-2x faster dense. The head (49152x576) dequantized whole spilled the cache (147 ms, Q8_0), hence
+# `CHUNK` rows at a time (19 ms).
+DENSE_ROWS = {Q.Q4_0: 96, Q.Q4_1: 128, Q.Q4_K: 160, Q.Q5_0: 96, Q.Q5_1: 96, Q.Q5_K: 80, Q.Q8_0: 24}
+CHUNK = 2048  # weight rows dequantized at a time by the dense path
+
+
 @dataclass
 class Packed:
     """A weight [N, K] in the int4 kernel's layout: `packed` uint8 [N, parts * K / 2], `scales_and_zeros`
-    bfloat16 [parts * K / 32, N, 2]; `parts` 2 when the row is multiplied twice (hi and lo)."""
+    bfloat16 [parts * K / 32, N, 2]; `parts` 2 when the row is multiplied twice (hi and lo). `blocks`: the stored
+    weight it was packed from (the same tensor, not a copy), which the dense path dequantizes."""
 
     packed: torch.Tensor
     scales_and_zeros: torch.Tensor
     parts: int
     out_features: int
+    blocks: torch.Tensor
+    qtype: int
+    dense_rows: int  # DENSE_ROWS of its type
 
     @property
     def nbytes(self) -> int:
         return self.packed.nbytes + self.scales_and_zeros.nbytes
 
     def mm(self, x: torch.Tensor) -> torch.Tensor:
-        """x [..., K] (any float dtype) @ W^T -> [..., N] in x's dtype, computed in bfloat16."""
+        """x [..., K] (any float dtype) @ W^T -> [..., N] in x's dtype, computed in bfloat16: through the int4
+        kernel below `DENSE_ROWS[qtype]` rows, from there by the dequantized weight (`dense`)."""
         rows = x.reshape(-1, x.shape[-1]).to(torch.bfloat16)
+        y = self.dense(rows) if rows.shape[0] >= self.dense_rows else self.kernel(rows)
+        return y.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
+
+    def kernel(self, rows: torch.Tensor) -> torch.Tensor:
+        """bfloat16 rows [M, K] @ W^T by the int4 kernel (W read as (q4 - 8) * scale + zero, both bfloat16)."""
         if self.parts == 2:
             rows = torch.cat((rows, rows), dim=1)
-        y = INT4MM(rows, self.packed, GROUP, self.scales_and_zeros)
-        return y.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
+        return INT4MM(rows, self.packed, GROUP, self.scales_and_zeros)
+
+    def dense(self, rows: torch.Tensor) -> torch.Tensor:
+        """bfloat16 rows [M, K] @ W^T by W dequantized from its blocks to bfloat16 (each weight rounded once,
+        as exact as the kernel's or more), `CHUNK` rows of W at a time."""
+        k = rows.shape[1]
+        blocks = self.blocks.reshape(self.out_features, -1)
+        parts = [rows @ torch.ops.remat.dequantize(blocks[s:s + CHUNK], self.qtype,
+                                                   (min(CHUNK, self.out_features - s), k), torch.bfloat16).T
+                 for s in range(0, self.out_features, CHUNK)]
+        return parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
 
 
 def pack(qtype: int, blocks: torch.Tensor, shape: tuple[int, int]) -> Packed:
@@ -125,7 +166,7 @@ def pack(qtype: int, blocks: torch.Tensor, shape: tuple[int, int]) -> Packed:
         scales, zeros = torch.cat((16 * scale, scale), dim=1), torch.cat((offset, 8 * scale), dim=1)
     packed = PACK(q4.contiguous(), 1)
     sz = torch.stack((scales, zeros), dim=-1).transpose(0, 1).contiguous().to(torch.bfloat16)
-    return Packed(packed, sz, parts, shape[0])
+    return Packed(packed, sz, parts, shape[0], blocks, int(qtype), DENSE_ROWS[Q(qtype)])
 
 
 def _linear_forward(layer: nn.Linear, weight: Packed):
