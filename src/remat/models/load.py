@@ -398,7 +398,7 @@ def _load_gguf(path: pathlib.Path, as_stored: bool) -> tuple[transformers.PreTra
         with no_init_weights():  # every value comes from the file
             model = build_from_config(config)
         model.tie_weights()  # which no_init_weights skips too
-        for note in gguf_file.load_into(model, reader):
+        for note in gguf_file.load_into(model, reader, gguf_file.identity(path)):
             warnings.warn(f"{path.name}: {note}", Note, stacklevel=3)
     except gguf_file.GGUFError as e:
         raise ModelError(f"cannot load GGUF '{path}': {e}") from None
