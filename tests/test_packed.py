@@ -78,6 +78,27 @@ def test_many_rows_take_the_dense_path(qtype):
     assert torch.equal(dense, (x.bfloat16() @ w.T).float())
 
 
+@pytest.mark.parametrize("bias", [False, True])
+def test_pack_model_serves_a_stored_linear(bias):
+    """`pack_model` on a stored Linear: its forward is the packed product (plus its bias), its weight still reads."""
+    from remat.models import stored
+
+    torch.manual_seed(0)
+    n, k = 64, 128
+    layer = torch.nn.Sequential(torch.nn.Linear(k, n, bias=bias))
+    blocks = _random_blocks(Q.Q4_1, n, k, seed=3)
+    stored.keep(layer, {"0.weight": (blocks, int(Q.Q4_1))})
+    w = torch.ops.remat.dequantize(blocks, int(Q.Q4_1), (n, k), torch.float32)
+    assert packed.pack_model(layer) == {"packed": n * k // 2 + n * k // packed.GROUP * 4, "layers": 1, "float": 0}
+    x = torch.randn(3, k)
+    want = torch.nn.functional.linear(x, w, layer[0].bias)
+    with torch.no_grad():
+        got = layer(x)
+    assert torch.equal(got, packed.pack(Q.Q4_1, blocks, (n, k)).mm(x) + (layer[0].bias if bias else 0))
+    assert torch.allclose(got, want, rtol=2 ** -6, atol=2 ** -6 * float(want.abs().max()))
+    assert torch.equal(layer[0].weight, w)
+
+
 def test_unpackable_types_are_refused():
     with pytest.raises(ValueError, match="Q6_K"):
         packed.integers(Q.Q6_K, torch.zeros(1, 210, dtype=torch.uint8), (1, 256))

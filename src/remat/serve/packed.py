@@ -40,7 +40,7 @@ from remat.models import quant, stored
 
 Q = gguf.GGMLQuantizationType
 GROUP = 32
-INT4MM = torch.ops.aten._weight_int4pack_mm_for_cpu
+INT4MM = torch.ops.aten._weight_int4pack_mm_for_cpu.default
 PACK = torch.ops.aten._convert_weight_to_int4pack_for_cpu
 
 __all__ = ["PACKABLE", "Packed", "integers", "pack", "pack_model"]
@@ -131,9 +131,15 @@ class Packed:
     def mm(self, x: torch.Tensor) -> torch.Tensor:
         """x [..., K] (any float dtype) @ W^T -> [..., N] in x's dtype, computed in bfloat16: through the int4
         kernel below `DENSE_ROWS[qtype]` rows, from there by the dequantized weight (`dense`)."""
-        rows = x.reshape(-1, x.shape[-1]).to(torch.bfloat16)
-        y = self.dense(rows) if rows.shape[0] >= self.dense_rows else self.kernel(rows)
-        return y.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
+        shape = x.shape
+        rows = x.reshape(-1, shape[-1]).to(torch.bfloat16)
+        if rows.shape[0] >= self.dense_rows:
+            y = self.dense(rows)
+        elif self.parts == 1:  # the kernel's call inline: a decode token makes 211 of these (SmolLM2)
+            y = INT4MM(rows, self.packed, GROUP, self.scales_and_zeros)
+        else:
+            y = self.kernel(rows)
+        return y.to(x.dtype).view(*shape[:-1], self.out_features)
 
     def kernel(self, rows: torch.Tensor) -> torch.Tensor:
         """bfloat16 rows [M, K] @ W^T by the int4 kernel (W read as (q4 - 8) * scale + zero, both bfloat16)."""
@@ -171,8 +177,7 @@ def pack(qtype: int, blocks: torch.Tensor, shape: tuple[int, int]) -> Packed:
 
 def _linear_forward(layer: nn.Linear, weight: Packed):
     def forward(x: torch.Tensor) -> torch.Tensor:
-        y = weight.mm(x)
-        return y if layer.bias is None else y + layer.bias
+        return weight.mm(x) + layer.bias
     return forward
 
 
@@ -217,7 +222,8 @@ def pack_model(model: nn.Module) -> dict[str, int]:
             if id(blocks) not in copies:
                 copies[id(blocks)] = pack(s.qtype, blocks, (module.out_features, module.in_features))
                 out["packed"] += copies[id(blocks)].nbytes
-            module.forward = _linear_forward(module, copies[id(blocks)])  # type: ignore[method-assign]
+            weight = copies[id(blocks)]  # without a bias, the layer's forward is the product's
+            module.forward = weight.mm if module.bias is None else _linear_forward(module, weight)  # type: ignore[method-assign]
             out["layers"] += 1
         elif isinstance(module, nn.Embedding) and _plain(module, nn.Embedding) and module.max_norm is None:
             module.forward = _embedding_forward(module, blocks, s.qtype)  # type: ignore[method-assign]
