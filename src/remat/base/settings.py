@@ -248,6 +248,10 @@ class ServeSettings(BaseModel):
     threads: int | None = Field(None, ge=1, description="torch CPU threads (default: torch's choice)")
     device: Device = Field("auto", description="where the model decodes and jobs train by default: "
                            + DEVICE_HELP.split(";")[0])
+    weights: Literal["blocks", "float32"] = Field(
+        "blocks", description="what the model decodes from on a CPU: blocks (a GGUF's quantized weights through "
+        "PyTorch's int4 kernel, bfloat16 products; other stored weights made float32 at load) or float32 (every "
+        "weight dequantized at load)")
 
 
 def describe(e: ValidationError, *, flags: bool) -> str:

@@ -78,14 +78,16 @@ class Client:
 
 
 def start_server(args: argparse.Namespace, state_dir: Path, log_path: Path, src: Path = ROOT / "src",
-                 parallel: int = CONCURRENCY) -> tuple[subprocess.Popen, Client]:
-    """`remat serve` from the checkout whose sources are `src`, ready (its /health answers 200)."""
+                 parallel: int = CONCURRENCY, extra: list[str] | None = None) -> tuple[subprocess.Popen, Client]:
+    """`remat serve` from the checkout whose sources are `src`, ready (its /health answers 200); `extra`: more of
+    its flags."""
     port = free_port()
     cmd = [sys.executable, "-m", "remat", "serve", "--port", str(port), "--state-dir", str(state_dir),
            "--parallel", str(parallel), "--max-slowdown-ppm", str(args.max_slowdown_ppm),
            "--threads", str(args.threads)]
     if args.model:
         cmd += ["--model", args.model]
+    cmd += extra or []
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(src), os.environ.get("PYTHONPATH", "")])}
     with open(log_path, "ab") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)

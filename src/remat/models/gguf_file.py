@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import weakref
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -159,14 +160,30 @@ def planned_types(header: list[Tensor], arch: str, model: nn.Module) -> dict[str
     return types
 
 
-def load_into(model: nn.Module, reader: gguf.GGUFReader) -> list[str]:
+# The blocks of every GGUF tensor a live model holds, by (the file's identity, its name, the parameter's): a second
+# model of the same file (a training job's beside the served model) holds the same tensors, not a copy. The
+# blocks are frozen (only a LoRA's A and B train; a full fine-tune loads float32) and read-only for every user, so
+# two module trees can share them, each with its own modules. An entry goes with the last model that holds it.
+_BLOCKS: weakref.WeakValueDictionary[tuple, torch.Tensor] = weakref.WeakValueDictionary()
+
+
+def identity(path: Path) -> tuple:
+    """What tells a file's bytes apart from another's while this process runs: where it is, its inode, size and
+    modification time (a rewritten file is another file)."""
+    st = path.stat()
+    return str(path.resolve()), st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns
+
+
+def load_into(model: nn.Module, reader: gguf.GGUFReader, file: tuple | None = None) -> list[str]:
     """Fill `model` (a skeleton: its parameters' values unset) with the file's tensors; -> notes for the user
-    (tensors dequantized at load, by type)."""
+    (tensors dequantized at load, by type). `file`: the file's `identity`, to share the blocks of the tensors kept
+    stored with any other model of it alive in this process (None: a copy of its own)."""
     arch = architecture(reader)
     mapped, processor = names(model, arch), _processor(model, arch)
     params = dict(model.named_parameters())  # a tied weight once, under its first name
     parsed: dict[str, Any] = {"tensors": {}}
     filled, dequantized, kept = set(), dict[str, int](), dict[str, tuple[torch.Tensor, int]]()
+    keys: dict[str, tuple] = {}
     for info, t in zip(tensors(reader), reader.tensors):
         name = mapped.get(info.name, "")
         target = params.get(name)
@@ -177,21 +194,34 @@ def load_into(model: nn.Module, reader: gguf.GGUFReader) -> list[str]:
         result = processor.process(weights=data, name=info.name, tensor_key_mapping=mapped, parsed_parameters=parsed)
         if result.name is None or result.name not in mapped or target is None:
             continue
-        value = torch.from_numpy(np.array(result.weights, copy=True))
         if qtype is None:
-            _fill(model, name, value)
+            _fill(model, name, torch.from_numpy(np.array(result.weights, copy=True)))
         else:
-            kept[name] = value.view(torch.uint8).reshape(*target.shape[:-1], -1), qtype
+            keys[name] = (file, info.name, name, qtype)
+            kept[name] = _blocks(result.weights, keys[name] if file is not None else None, target.shape), qtype
         filled.add(name)
     for name, value in parsed["tensors"].items():  # placed by the processor itself (MoE experts)
         if name in params:
             _fill(model, name, value.float())
             filled.add(name)
     stored.keep(model, kept)
+    if file is not None:  # the parameters the model holds: alive as long as it is
+        for name, _, held in stored.stored(model):
+            if name in keys:
+                _BLOCKS.setdefault(keys[name], held)
     missing = sorted(set(params) - filled)
     if missing:
         raise GGUFError(f"the GGUF has no tensor for {', '.join(missing[:3])}" + (" ..." if len(missing) > 3 else ""))
     return [f"{n} {kind} tensor{'s' * (n > 1)} dequantized at load (float32)" for kind, n in dequantized.items()]
+
+
+def _blocks(weights: Any, key: tuple | None, shape: torch.Size) -> torch.Tensor:
+    """A kept tensor's blocks [..., row bytes] (uint8): the ones a live model of the same file holds under `key`
+    (the same storage), else a copy of the file's."""
+    found = None if key is None else _BLOCKS.get(key)
+    if found is not None:
+        return found.detach()
+    return torch.from_numpy(np.array(weights, copy=True)).view(torch.uint8).reshape(*shape[:-1], -1)
 
 
 def _fill(model: nn.Module, name: str, value: torch.Tensor) -> None:

@@ -398,7 +398,7 @@ def _load_gguf(path: pathlib.Path, as_stored: bool) -> tuple[transformers.PreTra
         with no_init_weights():  # every value comes from the file
             model = build_from_config(config)
         model.tie_weights()  # which no_init_weights skips too
-        for note in gguf_file.load_into(model, reader):
+        for note in gguf_file.load_into(model, reader, gguf_file.identity(path)):
             warnings.warn(f"{path.name}: {note}", Note, stacklevel=3)
     except gguf_file.GGUFError as e:
         raise ModelError(f"cannot load GGUF '{path}': {e}") from None
@@ -417,8 +417,8 @@ def load_model(spec: str | None = None, *, seed: int = 0, num_layers: int | None
                as_stored: bool = True) -> LoadedModel:
     """Load a model for training: CPU, train() mode, use_cache off; its weights float32, or, `as_stored` (the
     default), a GGUF's quantized weights and a folder's float16 / bfloat16 ones held as the file stores them and
-    made float inside the step (`remat.models.stored`): for frozen weights (LoRA). Full fine-tuning, serving and
-    merging an adapter load float32 weights.
+    made float inside the step (`remat.models.stored`): for frozen weights (LoRA), and for serving from the blocks
+    (`remat.serve.packed`). Full fine-tuning, serving from float32 weights and merging an adapter load float32.
 
     spec: None (the embedded SmolLM2-135M-Instruct GGUF), a preset name, a .gguf file, a Hugging Face
     folder (config.json + *.safetensors + tokenizer), or a config.json inside such a folder.

@@ -1,8 +1,12 @@
 """The served model for `remat serve`: loading, tokens, LoRA adapters, and generation requests.
 
-The model is loaded once (float32, CPU, eval mode). A request tokenizes its prompt here (`prompt_ids`,
-`chat_prompt`), is checked (context, adapters) and becomes a `Generation` (`generate`) that the decode loop
-runs (`remat.serve.decoder`: one thread, the running sequences batched, at most `parallel` at once).
+The model is loaded once (eval mode). On a CPU it decodes from its stored blocks by default (`weights="blocks"`,
+`remat.serve.packed`: a GGUF's quantized Linear weights through PyTorch's int4 kernel, bfloat16 products, the
+activations float32); `weights="float32"`, or on another device, every weight is dequantized to float32 at load.
+
+A request tokenizes its prompt here (`prompt_ids`, `chat_prompt`), is checked (context, adapters) and becomes a
+`Generation` (`generate`) that the decode loop runs (`remat.serve.decoder`: one thread, the running sequences
+batched, at most `parallel` at once).
 
 LoRA: adapters are PEFT folders (the training jobs' outputs). They are loaded lazily, on the first request
 that needs them, into a PEFT wrapper of the served model. Scales live on the model's LoRA layers, so requests
@@ -25,6 +29,7 @@ from remat.serve.batch import cache_bytes, prefill_cache
 from remat.serve.decoder import Decoder
 from remat.serve.decoding import Choice, Generation, Params
 from remat.serve.errors import ApiError
+from remat.serve.packed import pack_model
 from remat.serve.schemas import CHARS_PER_TOKEN
 
 if TYPE_CHECKING:
@@ -74,11 +79,17 @@ class Engine:
     tokenizer: PreTrainedTokenizerBase
 
     def __init__(self, spec: str | None, *, parallel: int = 1, n_ctx: int | None = None, scheduler=None,
-                 adapters: Callable[[], list[dict]] | None = None, seed: int = 0, device: str = "cpu"):
+                 adapters: Callable[[], list[dict]] | None = None, seed: int = 0, device: str = "cpu",
+                 weights: str = "blocks"):
         if parallel < 1:
             raise ValueError("parallel must be at least 1")
+        if weights not in ("blocks", "float32"):
+            raise ValueError(f"weights: blocks or float32, not {weights!r}")
         self.spec, self.seed, self.parallel = spec, seed, parallel
         self.device = torch.device(device)  # the model's: inputs go there, logits come back to the sampler's CPU
+        # the int4 kernel is the CPU's: elsewhere the model decodes from float32 weights
+        self.blocks = weights == "blocks" and self.device.type == "cpu"
+        self.serving = {"packed": 0, "layers": 0, "float": 0}  # the serving copies' bytes (`packed.pack_model`)
         self.requested_ctx = n_ctx
         self.scheduler = scheduler
         self.adapter_source = adapters or list
@@ -102,7 +113,7 @@ class Engine:
         from remat.models.load import ModelError, load_model
 
         try:
-            lm = load_model(self.spec, seed=self.seed, as_stored=False)  # float32: not decoding from blocks yet
+            lm = load_model(self.spec, seed=self.seed, as_stored=self.blocks)
             if self.requested_ctx is not None and self.requested_ctx > lm.max_ctx:
                 raise ModelError(f"--ctx {self.requested_ctx} is above the model's maximum context {lm.max_ctx}")
         except Exception as e:  # reported by /health; the server stays up
@@ -112,6 +123,8 @@ class Engine:
         model.eval()
         model.requires_grad_(False)
         model.config.use_cache = True  # load_model turns the cache off for training
+        if self.blocks:
+            self.serving = pack_model(model)
         head = model.get_output_embeddings()
         if type(head) is torch.nn.Linear:  # a plain head (a quantized one brings its own kernel)
             head.__class__ = _FewRowsHead
@@ -139,7 +152,10 @@ class Engine:
         return sizes[1] - sizes[0], 2 * sizes[0] - sizes[1]
 
     def vocab_size(self) -> int:
-        weight = self.model.get_input_embeddings().weight
+        emb = self.model.get_input_embeddings()
+        if isinstance(emb, torch.nn.Embedding):  # its size without reading a stored weight (dequantized whole)
+            return emb.num_embeddings
+        weight = emb.weight
         assert isinstance(weight, torch.Tensor)  # torch types a submodule's attribute as Tensor | Module
         return int(weight.shape[0])
 
@@ -230,6 +246,7 @@ class Engine:
         import peft
 
         from remat.models.load import module_lock
+        from remat.models.stored import peeking
 
         name = f"adapter_{adapter_id}"
         if adapter_id in self._loaded and self._peft is not None:  # the same id at a new path: replace it
@@ -240,7 +257,7 @@ class Engine:
         # loading never draws from the global RNG a training job may be using. While it runs, every module
         # made in the process is empty: the lock keeps the trainer and the planner from making one meanwhile.
         try:
-            with module_lock:
+            with module_lock, peeking(self.model):  # PEFT reads each layer's weight for its shape and device
                 if self._peft is None:
                     self._peft = peft.PeftModel.from_pretrained(self.model, path, adapter_name=name,
                                                                 is_trainable=False, low_cpu_mem_usage=True)
