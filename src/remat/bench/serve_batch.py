@@ -41,6 +41,7 @@ from pathlib import Path
 
 from remat.base.settings import percentile
 from remat.bench import serve_slowdown as slow
+from remat.bench.plan_time import write_results
 
 ROOT = slow.ROOT
 CLIENTS = 4
@@ -287,12 +288,7 @@ def main(argv: list[str] | None = None) -> int:
         "training": training,
         "training_target_met": training is not None and training["slowdown_ppm_client"] <= args.max_slowdown_ppm,
     }
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "results.json").write_text(json.dumps(res, indent=1) + "\n")
-    (out / "results.md").write_text(markdown(res))
-    plot(res, out / "results.png")
-    print(markdown(res))
+    write_results(Path(args.out), res, markdown, plot)
     return 0
 
 

@@ -31,6 +31,7 @@ import time
 from pathlib import Path
 
 from remat.bench import serve_slowdown as slow
+from remat.bench.plan_time import write_results
 
 ROOT = slow.ROOT
 TOKENS = 128
@@ -191,10 +192,7 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="remat-decode-") as tmp:
         args.tmp = tmp
         res = measure(args)
-    (out / "results.json").write_text(json.dumps(res, indent=2) + "\n")
-    (out / "results.md").write_text(markdown(res))
-    plot(res, out / "results.png")
-    print(markdown(res))
+    write_results(out, res, markdown, plot)
     return 0
 
 
