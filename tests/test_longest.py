@@ -140,3 +140,38 @@ def test_the_command_line_says_when_the_models_maximum_is_the_limit(capsys):
     for path in ("window", "walk"):
         assert f"  {path}: 2,048 tokens (recompute " in out and f"\n{path} at 2,048 tokens: recompute " in out, out
     assert out.count("the model's maximum context") == 2 and "would plan" not in out, out
+
+
+@pytest.mark.filterwarnings("ignore::FutureWarning")
+def test_a_jobs_plan_waits_for_one_probe_of_a_search_not_the_whole(tmp_path):
+    """The server's search takes the planning lock a probe at a time: a job's plan asked while it runs (tiny-llama,
+    real planners, one thread each) is answered before the search ends, and the search's answer is the one it
+    gives alone."""
+    import threading
+    import time
+
+    from remat.serve.jobs import JobManager
+    from remat.serve.scheduler import Scheduler
+
+    m = JobManager(model="tiny-llama", state_dir=tmp_path, scheduler=Scheduler())
+    text = [{"text": "the cat sat on the mat. " * 6}] * 2
+    search = {"data": text, "ctx": "max", "lora": False, "ubatch": 64, "memory_budget": "4MiB"}
+    done: dict[str, float] = {}
+    got: dict[str, dict] = {}
+
+    def run() -> None:
+        got["max"] = m.plan(search)
+        done["max"] = time.monotonic()
+
+    try:
+        thread = threading.Thread(target=run)
+        thread.start()
+        while not m.torch._lock.locked() and thread.is_alive():  # the search's first probe has the lock
+            time.sleep(0.001)
+        job = m.plan({"data": text, "ctx": 32})
+        done["job"] = time.monotonic()
+        thread.join(120)
+        assert job["plan"]["total"] > 0 and done["job"] < done["max"], done
+        assert got["max"]["paths"] == m.plan(search)["paths"]
+    finally:
+        m.close()

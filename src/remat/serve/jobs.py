@@ -271,11 +271,8 @@ class JobManager:
         body.release(records)
         budget = self.budget(s)
         planners = self._planners_of_model()
-        with self.torch.planning(), _planning_errors():
-            try:
-                answers = longest.longest(s, budget, planners)
-            finally:
-                planners.forget_graphs()
+        with _planning_errors():  # the planning lock per probe: a job's plan or chunk waits for one probe
+            answers = longest.longest(s, budget, planners, turn=self.torch.turn)
         return longest.summary(s, budget, answers, models.max_ctx(planners.config))
 
     def _settings(self, req: TrainRequest | dict,

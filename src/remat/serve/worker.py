@@ -65,6 +65,16 @@ class TorchLock:
         finally:
             self._lock.release()
 
+    @contextlib.contextmanager
+    def turn(self) -> Iterator[None]:
+        """`planning`, for one of many plans in a row (a `--ctx max` search: a probe each): after any planner
+        waiting (the lock is not fair: one that releases and takes it again would mostly win it back). The
+        trainer's chunk may come in between."""
+        while self.waiting:
+            time.sleep(0.005)
+        with self.planning():
+            yield
+
     def train(self, stop: Callable[[], bool]) -> None:
         """Take the lock for the trainer, after any waiting planner (or until `stop()`)."""
         while self.waiting and not stop():

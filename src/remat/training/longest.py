@@ -13,6 +13,7 @@ comes with it.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -73,25 +74,34 @@ def summary(s: TrainSettings, budget: gate.Budget, answers: list[Longest], max_c
             "paths": {a.path: a.as_dict() for a in answers}}
 
 
-def longest(s: TrainSettings, budget: gate.Budget, planners: gate.Planners, world_size: int = 1) -> list[Longest]:
-    """The longest window of the job `s` (its ctx aside) within `budget`, on the window path and on the walk."""
+Turn = Callable[[], contextlib.AbstractContextManager]
+
+
+def longest(s: TrainSettings, budget: gate.Budget, planners: gate.Planners, world_size: int = 1,
+            turn: Turn = contextlib.nullcontext) -> list[Longest]:
+    """The longest window of the job `s` (its ctx aside) within `budget`, on the window path and on the walk.
+    Each probe (and the gate's answer at the end) plans inside its own `turn()` (a server's: its planning lock,
+    taken per probe, so that other planning and training go on between probes; the planners' state is whole
+    between them: a plan, once made, is kept by its shape)."""
     limit = models.max_ctx(planners.config)
-    return [_path(s, "window", 1, limit, budget, planners, world_size),
-            _path(s, "walk", s.ubatch, limit, budget, planners, world_size)]
+    return [_path(s, "window", 1, limit, budget, planners, world_size, turn),
+            _path(s, "walk", s.ubatch, limit, budget, planners, world_size, turn)]
 
 
 def _path(s: TrainSettings, path: str, step: int, limit: int, budget: gate.Budget, planners: gate.Planners,
-          world_size: int) -> Longest:
+          world_size: int, turn: Turn) -> Longest:
     """One path's answer. The probes' graphs are kept until it is found (the gate plans the window found again,
-    with the policies the search did not need: from the same small trace), then dropped."""
+    with the policies the search did not need: from the same small trace), then dropped (other planning between
+    probes may drop them sooner: what it needs again is traced again, the plans kept)."""
     try:
-        return _search_path(s, path, step, limit, budget, planners, world_size)
+        return _search_path(s, path, step, limit, budget, planners, world_size, turn)
     finally:
-        planners.forget_graphs()
+        with turn():
+            planners.forget_graphs()
 
 
 def _search_path(s: TrainSettings, path: str, step: int, limit: int, budget: gate.Budget, planners: gate.Planners,
-                 world_size: int) -> Longest:
+                 world_size: int, turn: Turn) -> Longest:
     answer = Longest(path, None, step, limit // step * step)
     if answer.limit < step:
         answer.reason = f"the model's maximum context {limit:,} is below one chunk of {step:,}"
@@ -107,7 +117,8 @@ def _search_path(s: TrainSettings, path: str, step: int, limit: int, budget: gat
     def smallest(ctx: int, policies: tuple[str, ...] = allowed) -> int:
         nonlocal lead, fixed
         t = at(ctx)
-        plans = planners.planner(t, budget).plans(StepShape.of(t), policies, world_size)
+        with turn():
+            plans = planners.planner(t, budget).plans(StepShape.of(t), policies, world_size)
         best = min(plans, key=lambda k: plans[k].total)
         answer.probes[ctx] = min(answer.probes.get(ctx, plans[best].total), plans[best].total)
         if policies == allowed:
@@ -134,7 +145,8 @@ def _search_path(s: TrainSettings, path: str, step: int, limit: int, budget: gat
         answer.reason = f"no window fits: {step:,} tokens are over the budget {budget}"
         return answer
     answer.ctx, answer.next_total = found, answer.probes.get(found + step)
-    answer.admitted = gate.admit(at(found), budget, world_size=world_size, planners=planners)
+    with turn():
+        answer.admitted = gate.admit(at(found), budget, world_size=world_size, planners=planners)
     return answer
 
 
