@@ -252,8 +252,10 @@ def test_plan_is_submit_without_the_queue(tmp_path):
     m = new_manager(tmp_path, memory_budget=64 << 20)
     try:
         p = m.plan(SMALL)
-        assert set(p) == {"plan", "plans", "policy", "recompute", "recompute_reason", "budget", "steps"}
+        assert set(p) == {"plan", "plans", "policy", "recompute", "recompute_reason", "budget", "steps", "dtype",
+                          "dtype_reason"}
         assert p["policy"] == "off" and p["budget"] == 64 << 20 and p["plan"] == p["plans"]["off"]
+        assert p["dtype"] == "float32" and p["dtype_reason"].startswith("auto:")  # auto: pinned in this process
         assert m.list() == []
         with pytest.warns(Renamed, match="'ubatch' is now called 'window'"):  # the old spelling still plans
             assert m.plan({**SMALL, "path": "ubatch"}) == p
