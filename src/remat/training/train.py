@@ -275,7 +275,6 @@ def _setup_gate(s: TrainSettings, dp: distributed.Ranks, model: torch.nn.Module,
     before = resident()
     for name in ("off", "on"):
         planner.build(shape, name)
-    trim_heap()
     admitted = gate.admit(s, budget.less("the trace", resident() - before), world_size=dp.world_size,
                           planner=planner)
     planner.keep_only(shape, admitted.policy).make_code()
