@@ -34,10 +34,11 @@ lint: $(BIN)/remat
 
 # Two workers: most tests are one-threaded tracing (tests set one torch thread), so two cores run two at once.
 # A module's tests run on one worker (`--dist loadscope`): what they share (a module's server, the real SmolLM2,
-# a torchrun launch, a conformance family's checks, cached in the process) is made once, not on both.
+# a torchrun launch, a conformance family's checks, cached in the process) is made once, not on both. Modules go
+# out longest first (tests/conftest.py's SLOWEST, hence --no-loadscope-reorder, which would sort by test count).
 # The 20 slowest tests are listed at the end: the suite must stay near 20 minutes on two idle cores.
 test: setup lint
-	$(BIN)/pytest -n 2 --dist loadscope --durations=20
+	$(BIN)/pytest -n 2 --dist loadscope --no-loadscope-reorder --durations=20
 
 clean:
 	rm -rf $(VENV)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import os
 from dataclasses import dataclass
 
 import pytest
@@ -10,10 +11,17 @@ import torch
 
 from remat.core import precision
 from remat.core.graph import StepInputs, TrainGraph
+from remat.core.process import keep_for_good
 from remat.core.recompute import rewrite
 from remat.models.hf import causal_lm_loss
 from remat.models.load import LoadedModel, load_model
 from remat.models.steps import window_step
+
+# Two workers on two cores (`make test`): one intra-op thread each, from the start. Collecting already runs torch:
+# the conformance matrix builds and runs every family's tiny model (`conformance.matrix_families`), 39 s at two
+# threads while the other worker collects too, 5 s at one (see `one_thread`).
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    torch.set_num_threads(1)
 
 PRESETS = ("tiny-llama", "tiny-qwen35")
 BATCH, CTX = 2, 64
@@ -74,8 +82,26 @@ def new_case(name: str, *, num_layers: int | None = None, prepare=None) -> Case:
     return Case(lm, ids, labels, window_step(lm.model, ids, labels))
 
 
+# The modules that take longest, longest first (seconds on two idle cores, `--durations=0`, summed per module):
+# `make test` hands whole modules to its two workers in this order (`--no-loadscope-reorder`), so a long one
+# does not start last while the other worker idles. conformance 650, cli 450, stamp 440, server_openapi 250,
+# train_lora 110, record 105, distributed 80, precision 75, quant_cli 70, stored 70, packed 70, jobs 65.
+SLOWEST = ("test_conformance", "test_cli", "test_stamp", "test_server_openapi", "test_train_lora", "test_record",
+           "test_distributed", "test_precision", "test_quant_cli", "test_stored", "test_packed", "test_jobs")
+
+
+def pytest_collection_finish(session):
+    """What collecting imported (every family of transformers, for the conformance matrix) stays for the session:
+    the collector's full collections (`process.trim_heap`, each in-process `finetune` makes three) walked it again,
+    0.35 s each."""
+    keep_for_good()
+
+
 def pytest_collection_modifyitems(config, items):
-    """Tests marked `cuda` run where a CUDA device is present, and are skipped with the reason elsewhere."""
+    """The slowest modules first (`SLOWEST`). Tests marked `cuda` run where a CUDA device is present, and are
+    skipped with the reason elsewhere."""
+    rank = {name: i for i, name in enumerate(SLOWEST)}
+    items.sort(key=lambda item: rank.get(item.path.stem, len(rank)))  # stable: each module keeps its order
     if torch.cuda.is_available():
         return
     why = "torch built without CUDA" if torch.version.cuda is None else "no CUDA device visible"
@@ -83,6 +109,8 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if item.get_closest_marker("cuda") is not None:
             item.add_marker(skip)
+
+
 # What `--dtype auto` resolves to in the suite's own process (see `auto_is_float32`).
 PINNED_AUTO = precision.Precision(torch.float32, "auto: float32, pinned by the test suite")
 

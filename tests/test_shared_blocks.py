@@ -8,6 +8,7 @@ import weakref
 import pytest
 import torch
 
+from remat.core.process import trim_heap
 from remat.models import gguf_file, stored
 from remat.models import load as models
 
@@ -43,6 +44,7 @@ def test_a_second_model_of_the_file_holds_the_served_blocks(served, monkeypatch)
     for shared in (True, False):
         if not shared:
             monkeypatch.setattr(gguf_file, "_BLOCKS", weakref.WeakValueDictionary())
+        trim_heap()  # what the load before freed goes back to the kernel: each load grows from what is live
         before = _rss_mib()
         lm = models.load_model(None, as_stored=True)
         sizes[shared] = _rss_mib() - before
@@ -52,7 +54,8 @@ def test_a_second_model_of_the_file_holds_the_served_blocks(served, monkeypatch)
         assert all(same) if shared else not any(same)
         assert not any(a is b for a in lm.model.modules() for b in served.model.modules())  # its own modules
         del lm, theirs
-    assert sizes[True] < 16 and sizes[False] > bytes_ / 2**20 - 16, sizes
+    # the load's own modules, tokenizer and heap take ~10-20 MiB either way: sharing saves the blocks' bytes
+    assert sizes[False] - sizes[True] > bytes_ / 2**20 - 16 and sizes[True] < 32, sizes
 
 
 def _lora_job(tmp_path, name: str) -> tuple[list[float], dict[str, torch.Tensor]]:

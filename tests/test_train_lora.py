@@ -72,7 +72,8 @@ def test_sigkill_during_a_save_leaves_the_previous_checkpoint_resumable(tmp_path
     caught in the middle. The kill lands while a temporary checkpoint folder exists."""
     out = tmp_path / "run"
     common = ["finetune", "--full", "--ctx", "32", "--json", "--seed", "3"]
-    proc = _cli(*common, "--steps", "2", "--save-every", "1", "--out", str(out))  # killed saving step 2
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}  # a thread per run: the last two run side by side
+    proc = _cli(*common, "--steps", "2", "--save-every", "1", "--out", str(out), env=env)  # killed saving step 2
     deadline = time.monotonic() + 1200
     killed = False
     while time.monotonic() < deadline and proc.poll() is None:
@@ -90,10 +91,10 @@ def test_sigkill_during_a_save_leaves_the_previous_checkpoint_resumable(tmp_path
     assert state["step"] == latest.step == len(state["losses"])
     assert load_file(latest.path / "trainable.safetensors")  # whole, readable
 
-    resumed = _cli(*common, "--steps", "2", "--out", str(out), "--resume", str(out))
+    resumed = _cli(*common, "--steps", "2", "--out", str(out), "--resume", str(out), env=env)
+    whole = _cli(*common, "--steps", "2", env=env)
     r_out, r_err = resumed.communicate(timeout=600)
     assert resumed.returncode == 0, r_err
-    whole = _cli(*common, "--steps", "2")
     w_out, w_err = whole.communicate(timeout=600)
     assert whole.returncode == 0, w_err
     assert json.loads(r_out)["losses"] == json.loads(w_out)["losses"]

@@ -225,6 +225,7 @@ def table(plans: dict, ran: str | None = None) -> str:
 
 
 def cmd_finetune(args: argparse.Namespace) -> int:
+    from remat.core.process import keep_for_good
     from remat.training import distributed
     from remat.training.train import Hooks, finetune
 
@@ -237,6 +238,7 @@ def cmd_finetune(args: argparse.Namespace) -> int:
                         "is added as `trace`):\n")
 
     hooks = Hooks(on_plan=show_plan, on_early_plan=show_early_plan)
+    keep_for_good()  # the imports: the run's heap trims need not walk them
     receipt = finetune(settings_from(TrainSettings, args), progress=True, hooks=hooks)
     if not distributed.is_main():  # a data-parallel run: rank 0 alone prints the receipt
         return 0
