@@ -212,5 +212,8 @@ def test_bad_settings_end_every_rank_with_one_line():
                        check=False, capture_output=True, text=True, env=_env(), timeout=300)
     assert r.returncode != 0
     lines = [x for x in r.stderr.splitlines() if x.startswith("remat: error:")]
-    assert lines == ["remat: error: --batch 3 does not split over 2 processes: the global batch must be a "
-                     "multiple of 2"] * 2, r.stderr[-3000:]
+    said = "remat: error: --batch 3 does not split over 2 processes: the global batch must be a multiple of 2"
+    # torchrun stops the other rank once one has exited (SIGTERM): on a loaded machine the slower rank can be
+    # stopped before it says why, and torchrun's summary says so (exitcode -15)
+    stopped = "exitcode  : -15" in r.stderr
+    assert lines == [said] * 2 or (lines == [said] and stopped), r.stderr[-3000:]
