@@ -65,9 +65,8 @@ def keep_for_good() -> None:
     """Move what is alive into the collector's permanent generation (`gc.freeze`, at once): for a process that
     runs one job (`remat finetune`), whose imports (torch, transformers: ~370k objects) live until it exits. Each
     full collection (`trim_heap`, four a run) walked them again: ~180 ms each. Not collected first: after the
-    imports a collection finds ~35 objects of garbage, and it would delay each rank of a torchrun job by its 180 ms
-    (a rank that fails later than the other is stopped by torchrun before it says why). Not for a server: an
-    object frozen is never collected as part of a cycle, and a server's planners drop graphs for good."""
+    imports a collection finds ~35 objects of garbage, not worth its 180 ms. Not for a server: an object frozen is
+    never collected as part of a cycle, and a server's planners drop graphs for good."""
     gc.freeze()
 
 
