@@ -252,6 +252,9 @@ class ServeSettings(BaseModel):
         "blocks", description="what the model decodes from on a CPU: blocks (a GGUF's quantized weights through "
         "PyTorch's int4 kernel, bfloat16 products; other stored weights made float32 at load) or float32 (every "
         "weight dequantized at load)")
+    compile: Annotated[bool, Cli(action="store_true")] = Field(
+        False, description="compile the decode step of one sequence without adapters (torch.compile): faster "
+        "tokens once it is compiled, which takes a minute or more on a CPU before the server is ready")
 
 
 def describe(e: ValidationError, *, flags: bool) -> str:

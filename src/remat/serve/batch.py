@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 from transformers.cache_utils import Cache, DynamicCache, DynamicLayer, LinearAttentionLayer
 
-__all__ = ["BatchCache", "prefill_cache"]
+__all__ = ["BatchCache", "prefill_cache", "room_for_one"]
 
 GROW = 256  # columns added when a full-attention layer's buffers fill up
 
@@ -186,6 +186,20 @@ class BatchCache:
 
     def nbytes(self) -> int:
         return cache_bytes(self.cache)
+
+
+def room_for_one(cache: Cache | None) -> bool:
+    """Whether `cache` is a batch's full-attention buffers only, each holding two columns or more, with room made
+    for the next token and one column past it: the cache a compiled decode step was traced with
+    (`Engine(compile=True)`). That step never grows a buffer itself (it was traced where the buffer had room), and
+    a buffer that the token fills exactly has other shapes than it was traced for (a recompilation)."""
+    layers = [layer for layer in cache.layers if type(layer) is _Attention] if cache is not None else []
+    if cache is None or len(layers) < len(cache.layers) or any(layer.width < 2 for layer in layers):
+        return False
+    for layer in layers:
+        if layer.width + 2 > layer.k.shape[2]:
+            layer.resize(layer.width + 2)
+    return True
 
 
 def cache_bytes(cache: Cache | None) -> int:
