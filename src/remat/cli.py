@@ -7,6 +7,7 @@ With --json, stdout holds one JSON object and nothing else; progress goes to std
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import sys
@@ -309,24 +310,33 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
 
 def _plan_longest(args: argparse.Namespace) -> int:
-    """`remat plan --ctx max`: the longest window within the budget on each path, with the gate's plan there."""
+    """`remat plan --ctx max`: the longest window within the budget on each path, with the gate's plan there. The
+    paths are searched side by side (`forked.side_by_side`): the walk in a child process where there is a core."""
+    from remat.base.forked import side_by_side
     from remat.core import devices
     from remat.models import load as models
     from remat.training import gate
-    from remat.training.longest import longest, summary
+    from remat.training.longest import PATHS, longest, summary
 
     recompute = "auto" if args.recompute == "both" else args.recompute
     s = settings_from(TrainSettings, args, ctx=args.ubatch, recompute=recompute)  # each probe sets its own ctx
     config = models.load_config(s.model)
     budget = gate.Budget.of(s.memory_budget, ranks_here=args.world_size, device=devices.planned(s.device))
-    answers = longest(s, budget, gate.Planners(config), args.world_size)
-    result = summary(s, budget, answers, models.max_ctx(config), args.world_size)
-    human = [f"longest window within the budget {budget}:", *(f"  {a.line()}" for a in answers)]
-    for a in answers:
-        if a.admitted is not None:
-            human += [f"\n{a.path} at {a.ctx:,} tokens: recompute {a.admitted.policy} ({a.admitted.choice.reason})",
-                      table({k: p.as_dict() for k, p in a.admitted.plans.items()}, ran=a.admitted.policy),
-                      a.admitted.updates_note()]
+
+    def answer(path: str) -> tuple[dict, str, list[str]]:
+        """The path's answer, its line, and the gate's plans at the window found (picklable: a child's)."""
+        a = longest(s, budget, gate.Planners(config), args.world_size, paths=(path,))[0]
+        if a.admitted is None:
+            return a.as_dict(), a.line(), []
+        return a.as_dict(), a.line(), [
+            f"\n{a.path} at {a.ctx:,} tokens: recompute {a.admitted.policy} ({a.admitted.choice.reason})",
+            table({k: p.as_dict() for k, p in a.admitted.plans.items()}, ran=a.admitted.policy),
+            a.admitted.updates_note()]
+
+    answers = side_by_side([functools.partial(answer, path) for path in PATHS])
+    result = summary(s, budget, [d for d, _, _ in answers], models.max_ctx(config), args.world_size)
+    human = [f"longest window within the budget {budget}:", *(f"  {line}" for _, line, _ in answers)]
+    human += [text for _, _, block in answers for text in block]
     emit(args, result, "\n".join(human))
     return 0
 

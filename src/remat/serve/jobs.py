@@ -273,7 +273,7 @@ class JobManager:
         planners = self._planners_of_model()
         with _planning_errors():  # the planning lock per probe: a job's plan or chunk waits for one probe
             answers = longest.longest(s, budget, planners, turn=self.torch.turn)
-        return longest.summary(s, budget, answers, models.max_ctx(planners.config))
+        return longest.summary(s, budget, [a.as_dict() for a in answers], models.max_ctx(planners.config))
 
     def _settings(self, req: TrainRequest | dict,
                   model: type[TrainRequest] = TrainRequest) -> tuple[TrainSettings, builtins.list[dict], str | None]:

@@ -67,25 +67,29 @@ class Longest:
                 "optimizer": a.updates_note() if a else None, "probes": len(self.probes)}
 
 
-def summary(s: TrainSettings, budget: gate.Budget, answers: list[Longest], max_ctx: int, world_size: int = 1) -> dict:
-    """The answers as `remat plan --ctx max --json` prints them (and `POST /train/plan` with `"ctx": "max"`)."""
+def summary(s: TrainSettings, budget: gate.Budget, answers: list[dict], max_ctx: int, world_size: int = 1) -> dict:
+    """The answers (`Longest.as_dict`) as `remat plan --ctx max --json` prints them (and `POST /train/plan` with
+    `"ctx": "max"`)."""
     return {"model": s.model or "default", "ctx": "max", "budget": budget.bytes, "budget_source": str(budget),
             "max_ctx": max_ctx, "lora": s.lora, "world_size": world_size,
-            "paths": {a.path: a.as_dict() for a in answers}}
+            "paths": {a["path"]: a for a in answers}}
 
 
 Turn = Callable[[], contextlib.AbstractContextManager]
 
 
+PATHS = ("window", "walk")
+
+
 def longest(s: TrainSettings, budget: gate.Budget, planners: gate.Planners, world_size: int = 1,
-            turn: Turn = contextlib.nullcontext) -> list[Longest]:
-    """The longest window of the job `s` (its ctx aside) within `budget`, on the window path and on the walk.
-    Each probe (and the gate's answer at the end) plans inside its own `turn()` (a server's: its planning lock,
-    taken per probe, so that other planning and training go on between probes; the planners' state is whole
-    between them: a plan, once made, is kept by its shape)."""
+            turn: Turn = contextlib.nullcontext, paths: tuple[str, ...] = PATHS) -> list[Longest]:
+    """The longest window of the job `s` (its ctx aside) within `budget`, on each of `paths` (the window path;
+    the walk). Each probe (and the gate's answer at the end) plans inside its own `turn()` (a server's: its
+    planning lock, taken per probe, so that other planning and training go on between probes; the planners' state
+    is whole between them: a plan, once made, is kept by its shape)."""
     limit = models.max_ctx(planners.config)
-    return [_path(s, "window", 1, limit, budget, planners, world_size, turn),
-            _path(s, "walk", s.ubatch, limit, budget, planners, world_size, turn)]
+    return [_path(s, path, 1 if path == "window" else s.ubatch, limit, budget, planners, world_size, turn)
+            for path in paths]
 
 
 def _path(s: TrainSettings, path: str, step: int, limit: int, budget: gate.Budget, planners: gate.Planners,
