@@ -165,9 +165,9 @@ def _allowed(recompute: str) -> tuple[str, ...]:
 def search(total: Callable[[int], int], budget: int, step: int, limit: int, start: int, fixed: int = 0) -> int | None:
     """The largest multiple of `step` in [step, limit] whose `total` is within `budget`, plans growing with the
     window (None: not even `step`). The second probe is the first's window in proportion to the budget (of what
-    grows with the window: all but `fixed`); then each goes where the line through the two probes nearest the
-    budget meets it, or the quadratic through three, kept inside the bracket; where two probes did not halve the
-    bracket, a bisection. Mostly three to six probes."""
+    grows with the window: all but `fixed`); then each goes where a line through two probes meets it, or the
+    quadratic through three (`_line`), kept inside the bracket; where two probes did not halve the bracket, a
+    bisection. Mostly three to six probes."""
     seen: dict[int, int] = {}
 
     def probe(ctx: int) -> int:
@@ -191,8 +191,16 @@ def search(total: Callable[[int], int], budget: int, step: int, limit: int, star
 
 
 def _line(seen: dict[int, int], budget: int, step: int, limit: int, fixed: int = 0) -> int:
-    """Where the line through the two probes nearest the budget meets it (the curve through three, once there are
-    three that grow with the window), in multiples of `step`."""
+    """Where the line through the two probes nearest the budget meets it, in multiples of `step`: the two over it
+    where there are two (a plan is the larger of parts that each grow in a line or a curve, so it bends up where
+    one overtakes another: the line through two probes past the bend meets the budget at or past the answer, and
+    on it where the last part grows in a line), else the curve through three that grow with the window, else the
+    two nearest."""
+    over = sorted((c for c in seen if seen[c] > budget), key=seen.__getitem__)[:2]
+    if len(over) == 2:
+        (a, pa), (b, pb) = sorted((c, seen[c]) for c in over)
+        if pb > pa:
+            return max(step, int((a + (budget - pa) / ((pb - pa) / (b - a))) // step * step))
     curve = _curve(seen, budget)
     if curve is not None:
         return max(step, min(limit, int(curve // step * step)))
