@@ -177,6 +177,7 @@ def search(total: Callable[[int], int], budget: int, step: int, limit: int, star
 
     lo, hi = 0, limit + step  # lo fits (0: none yet), hi does not (past the limit: none yet)
     ctx, widths = max(step, start), list[int]()  # the bracket's widths, once it has both ends
+    edge = jumps = False  # the last probe was the line's, held at the bracket's edge; twice so: the plan jumps
     while True:
         if probe(ctx) <= budget:
             lo = ctx
@@ -185,9 +186,12 @@ def search(total: Callable[[int], int], budget: int, step: int, limit: int, star
         if hi - lo <= step:
             return lo or None
         widths += [hi - lo] if lo and hi <= limit else []
-        ctx = min(max(_line(seen, budget, step, limit, fixed), lo + step), hi - step)
-        if len(widths) > 2 and widths[-1] > widths[-3] // 2 and ctx not in (lo + step, hi - step):
-            ctx = (lo + hi) // 2 // step * step  # two probes did not halve the bracket: bisect
+        line = min(max(_line(seen, budget, step, limit, fixed), lo + step), hi - step)
+        stalled = len(widths) > 2 and widths[-1] > widths[-3] // 2 and line not in (lo + step, hi - step)
+        jumps = jumps or (edge and line in (lo + step, hi - step))
+        # two probes did not halve the bracket, or the plan jumps (no line holds between its steps): bisect
+        ctx = (lo + hi) // 2 // step * step if stalled or jumps else line
+        edge = ctx == line and line in (lo + step, hi - step)
 
 
 def _line(seen: dict[int, int], budget: int, step: int, limit: int, fixed: int = 0) -> int:
