@@ -1,4 +1,4 @@
-"""`base.forked.side_by_side`: calls in forked children, results and errors back in the parent, in order."""
+"""`core.forked.side_by_side`: calls in forked children, results and errors back in the parent, in order."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import threading
 
 import pytest
 
-from remat.base.forked import side_by_side
 from remat.base.settings import UsageError
+from remat.core.forked import side_by_side
 
 
 def test_results_come_back_in_order_from_another_process():

@@ -312,8 +312,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
 def _plan_longest(args: argparse.Namespace) -> int:
     """`remat plan --ctx max`: the longest window within the budget on each path, with the gate's plan there. The
     paths are searched side by side (`forked.side_by_side`): the walk in a child process where there is a core."""
-    from remat.base.forked import side_by_side
     from remat.core import devices
+    from remat.core.forked import side_by_side
     from remat.models import load as models
     from remat.training import gate
     from remat.training.longest import PATHS, longest, summary

@@ -8,6 +8,8 @@ import pickle
 from collections.abc import Callable
 from typing import Any
 
+import torch
+
 from remat.base.settings import one_line
 
 __all__ = ["side_by_side"]
@@ -36,8 +38,6 @@ def _start(call: Callable[[], Any]) -> tuple[int, int]:
         return pid, read
     os.close(read)
     try:  # the child: never returns into the parent's code
-        import torch
-
         torch.set_num_threads(1)
         try:
             out: tuple[bool, Any] = (True, call())
