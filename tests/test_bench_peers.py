@@ -1,4 +1,4 @@
-"""The benches against remat's peers: their fits, rows and parsing (no run, no timing)."""
+"""The benches against remat's peers: their fits, rows and parsing (no timing), and the Hugging Face side's model."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import pytest
 
-from remat.bench import llama_cpp, train_peers
+from remat.bench import llama_cpp, peers, train_peers
 from remat.bench.longest_report import (
     GiB,
     MiB,
@@ -25,6 +25,7 @@ from remat.bench.longest_report import (
     rows,
     side_row,
 )
+from tiny_gguf import write
 
 
 def test_fit_line_through_two_windows_and_its_longest_window():
@@ -152,3 +153,16 @@ def test_hf_fit_follows_the_training_phase_and_its_load_must_fit_too():
     heavy = [r | {"load_peak_rss": 1100 * MiB} for r in runs]  # now loading alone peaks over 1 GiB
     one = next(r["hf"] for r in rows([case], heavy, (1,), 2.0) if r["mode"] == "lora")
     assert one["status"] == "none" and one["window"] == 0
+
+
+@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
+def test_the_hugging_face_side_trains_float32_weights_of_a_gguf(tmp_path, lora):
+    """As transformers loads a GGUF: every weight float32 (remat's own default keeps the blocks, which once made
+    this side train only the norms of SmolLM2, 35,136 parameters, against remat's 134.5 million)."""
+    from remat.models.load import load_model
+
+    got = peers.hf_train(str(write(tmp_path / "tiny.gguf")), 32, lora=lora, steps=1, lr=1e-4)
+    model = load_model(str(tmp_path / "tiny.gguf"), as_stored=False).model
+    every = sum(p.numel() for p in model.parameters())
+    assert got["dtype"] == "torch.float32"
+    assert (got["trainable_parameters"] == every) != lora and got["trainable_parameters"] > 0

@@ -94,9 +94,10 @@ def text_file(path: Path, words: int = 200_000, seed: int = 0) -> Path:
 
 def remat_cmd(model: str | None, ctx: int, *, lora: bool, steps: int, data: Path, extra: tuple[str, ...] = ()
               ) -> list[str]:
-    """`remat finetune` of `steps` steps on packed windows of `data`, one JSON receipt on stdout."""
+    """`remat finetune` of `steps` steps on packed windows of `data`, one JSON receipt on stdout; computing in
+    float32 as the peers do (`--dtype auto` is bfloat16 on a CPU with AVX512-BF16), unless `extra` says."""
     cmd = [sys.executable, "-m", "remat", "finetune", "--ctx", str(ctx), "--steps", str(steps), "--pack",
-           "--data", str(data), "--json", *extra]
+           "--data", str(data), "--json", "--dtype", "float32", *extra]
     if model:
         cmd += ["--model", model]
     return cmd + ([] if lora else ["--full"])
@@ -129,7 +130,7 @@ def hf_train(model: str | None, ctx: int, *, lora: bool, steps: int, lr: float, 
     from remat.models import load as models
 
     try:
-        loaded = models.load_model(model, seed=seed)
+        loaded = models.load_model(model, seed=seed, as_stored=False)  # float32, as transformers loads a GGUF
         m: Any = loaded.model
         name = loaded.name
     except models.ModelError:  # a plan-only preset (remat does not train it): transformers builds it from its config
