@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 
 import pytest
 
@@ -29,3 +30,13 @@ def test_a_childs_error_is_raised_here():
 def test_an_answer_that_does_not_pickle_is_an_error_naming_it():
     with pytest.raises(RuntimeError, match="pickle"):
         side_by_side([lambda: 1, threading.Lock])
+
+
+def test_an_error_here_stops_the_children():
+    def refuse():
+        raise UsageError("no budget")
+
+    started = time.monotonic()
+    with pytest.raises(UsageError, match="no budget"):
+        side_by_side([refuse, lambda: time.sleep(60)])
+    assert time.monotonic() - started < 30  # the child was stopped, not waited for

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import pickle
+import signal
 from collections.abc import Callable
 from typing import Any
 
@@ -25,9 +26,13 @@ def side_by_side(calls: list[Callable[[], Any]]) -> list[Any]:
     children = [_start(call) for call in calls[1:]]
     try:
         first = calls[0]()
-    finally:
-        done = [_finish(pid, fd) for pid, fd in children]
-    return [first, *done]
+    except BaseException:  # an error or an interrupt here: the children's answers are not wanted
+        for pid, fd in children:
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+            os.close(fd)
+        raise
+    return [first, *(_finish(pid, fd) for pid, fd in children)]
 
 
 def _start(call: Callable[[], Any]) -> tuple[int, int]:
