@@ -33,7 +33,7 @@ RESUMED = {**BASE, "model": "tiny-llama", "steps": 4, "lora_dropout": 0.1}
 GATED = {**BASE, "model": "tiny-llama", "steps": 1, "recompute": "budget", "memory_budget": 64 << 20}
 
 WORKER = """
-import json, sys
+import json, os, sys
 import torch.distributed as dist
 from remat.base.settings import TrainSettings
 from remat.training.train import finetune
@@ -44,6 +44,8 @@ receipts = {name: finetune(TrainSettings(**kw), progress=False).as_dict() for na
 with open(f"{sys.argv[2]}/rank{dist.get_rank()}.json", "w") as f:
     json.dump(receipts, f)
 dist.destroy_process_group()
+sys.stdout.flush()
+os._exit(0)  # as a rank of `remat` exits (cli.run): torch's distributed objects destroyed at exit can abort it
 """
 
 
