@@ -106,10 +106,25 @@ def test_every_route_documents_its_answers_and_errors():
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    # --ctx 64: a valid completion decodes at most 64 tokens, so the run stays short
-    s = Server(tmp_path_factory.mktemp("openapi") / "state", "--ctx", "64").start()
+    # a valid completion decodes at most 4 tokens (--n-predict), in a context of 64, so the run stays short
+    s = Server(tmp_path_factory.mktemp("openapi") / "state", "--ctx", "64", "--n-predict", "4").start()
     yield s
     s.stop()
+
+
+def test_n_predict_is_the_default_and_the_most_a_request_gets(server):
+    """`--n-predict 4`, as llama.cpp's server: a request naming no count gets 4 tokens, one asking more gets 4,
+    one asking fewer gets what it asks, under each of the three names."""
+    def generated(**count) -> int:
+        status, body = server.request("POST", "/completion", {"prompt": "hi", "ignore_eos": True, **count})
+        assert status == 200, body
+        return body["tokens_predicted"]
+
+    assert [generated(), generated(n_predict=-1), generated(n_predict=9), generated(n_predict=2)] == [4, 4, 4, 2]
+    status, body = server.request("POST", "/v1/completions", {"prompt": "hi", "ignore_eos": True, "max_tokens": 50})
+    assert status == 200 and body["usage"]["completion_tokens"] == 4, body
+    status, body = server.request("GET", "/props")
+    assert status == 200 and body["default_generation_settings"]["params"]["n_predict"] == 4, body
 
 
 def schemathesis_cli() -> str:

@@ -236,6 +236,10 @@ class ServeSettings(BaseModel):
     parallel: Annotated[int, Cli(("--parallel", "-np"))] = Field(
         1, ge=1, description="requests that decode at once; more wait")
     ctx: int | None = Field(None, ge=1, description="context size for serving (default: the model's maximum)")
+    n_predict: Annotated[int, Cli(("--n-predict", "-n"))] = Field(
+        -1, ge=-1, le=2**31 - 1, description="the most tokens a request generates, also where it names no count "
+        "(as llama.cpp's server: a request asking more gets this many; -1: until the end of text or the context "
+        "is full)")
     max_slowdown_ppm: int = Field(DEFAULT_SLOWDOWN_PPM, ge=0, le=1_000_000,
                                   description="how much training may slow decoding, in parts per million "
                                   "(50000 = 5%)")

@@ -85,7 +85,7 @@ class Engine:
 
     def __init__(self, spec: str | None, *, parallel: int = 1, n_ctx: int | None = None, scheduler=None,
                  adapters: Callable[[], list[dict]] | None = None, seed: int = 0, device: str = "cpu",
-                 weights: str = "blocks", compile: bool = False):
+                 weights: str = "blocks", compile: bool = False, n_predict: int = -1):
         if parallel < 1:
             raise ValueError("parallel must be at least 1")
         if weights not in ("blocks", "float32"):
@@ -97,6 +97,7 @@ class Engine:
         self.serving = {"packed": 0, "layers": 0, "float": 0}  # the serving copies' bytes (`packed.pack_model`)
         self.requested_ctx = n_ctx
         self.compile = compile
+        self.n_predict = n_predict  # the most tokens a request generates, and what one naming none gets (-1: no limit)
         self._compiled: Callable | None = None  # the compiled decode step (`_compile_decode`), once it works
         self.scheduler = scheduler
         self.adapter_source = adapters or list

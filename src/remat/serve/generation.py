@@ -80,12 +80,18 @@ def decoding(e: Engine, body: Sampled, logprobs: int | None) -> Params:
     stop = [] if body.stop is None else [body.stop] if isinstance(body.stop, str) else body.stop
     stop_ids = [s for s in stop if isinstance(s, int)]
     e.check_tokens(stop_ids)
-    max_new = body.max_new
-    return Params(sampling=sampling, n_predict=-1 if max_new is None else max_new,
+    return Params(sampling=sampling, n_predict=n_predict(body.max_new, e.n_predict),
                   stop=tuple(s for s in stop if isinstance(s, str)), stop_ids=frozenset(stop_ids),
                   seed=-1 if body.seed is None else body.seed, ignore_eos=bool(body.ignore_eos),
                   t_max_predict_ms=body.t_max_predict_ms or 0,
                   lora=None if body.lora is None else tuple((x.id, x.scale) for x in body.lora))
+
+
+def n_predict(asked: int | None, most: int) -> int:
+    """The tokens a request generates at most: what it asks (-1: no limit), capped by the server's `--n-predict`
+    (`most`; -1: none), as llama.cpp's server caps it."""
+    n = -1 if asked is None else asked
+    return most if most >= 0 and not 0 <= n <= most else n
 
 
 def _logit_bias(e: Engine, body: Sampled) -> list[tuple[int, float]]:

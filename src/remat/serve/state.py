@@ -23,10 +23,11 @@ log = logging.getLogger("remat.serve")
 class Server:
     def __init__(self, *, model: str | None, parallel: int, max_slowdown_ppm: int, memory_budget: int | None,
                  state_dir: Path, n_ctx: int | None, on_load_error=None, device: str = "cpu",
-                 weights: str = "blocks", compile: bool = False):
+                 weights: str = "blocks", compile: bool = False, n_predict: int = -1):
         self.model_spec, self.parallel, self.max_slowdown_ppm = model, parallel, max_slowdown_ppm
         self.device = device  # where the model decodes, and jobs train unless they say
         self.weights, self.compile = weights, compile  # what the model decodes from, and how (`Engine`)
+        self.n_predict = n_predict  # the most tokens a request generates (`Engine`)
         self.memory_budget, self.state_dir, self.n_ctx = memory_budget, Path(state_dir), n_ctx
         self.on_load_error = on_load_error
         self.scheduler: Scheduler | None = None
@@ -40,7 +41,7 @@ class Server:
         self.scheduler = scheduler = Scheduler(max_slowdown_ppm=self.max_slowdown_ppm)
         self.engine = engine = Engine(self.model_spec, parallel=self.parallel, n_ctx=self.n_ctx,
                                       scheduler=scheduler, adapters=self.adapters, device=self.device,
-                                      weights=self.weights, compile=self.compile)
+                                      weights=self.weights, compile=self.compile, n_predict=self.n_predict)
         threading.Thread(target=self._load, args=(engine, scheduler), name="remat-load", daemon=True).start()
 
     def adapters(self) -> list[dict]:

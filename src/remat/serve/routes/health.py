@@ -38,7 +38,7 @@ async def props(srv: ServerDep, e: EngineDep):
         "parallel": srv.parallel,
         "max_slowdown_ppm": srv.max_slowdown_ppm,
         "memory_budget": srv.memory_budget,
-        "default_generation_settings": {"n_ctx": e.n_ctx, "params": Params().as_dict()},
+        "default_generation_settings": {"n_ctx": e.n_ctx, "params": Params(n_predict=e.n_predict).as_dict()},
         "chat_template": e.tokenizer.chat_template,
         "build_info": f"remat {VERSION}",
     }
