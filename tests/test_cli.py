@@ -392,15 +392,17 @@ def test_smollm2_plan_predicts_the_process_peak(cli, ctx, recompute, training, d
     (the frozen weights and the graph), two steps: AdamW makes its states in the first update, so the plan's
     peak (the step with the states alive) is reached from the second step on."""
     cli.shared(*SMOL, "--recompute", "on").result()  # the model is converted before these runs start
+    in_backward = training == "--full" and recompute == "on"  # else after it (auto: it fits so)
     r = cli.shared("finetune", "--ctx", ctx, training, "--steps", "2", "--json", "--recompute", recompute,
-                   "--dtype", dtype).result()
+                   "--dtype", dtype, *(["--optimizer-in-backward", "on"] if in_backward else [])).result()
     assert r.rc == 0, r
     receipt = r.json()
     assert receipt["dtype"] == dtype
+    assert receipt["settings"]["optimizer_in_backward"] == ("on" if in_backward else "off")
     planned = receipt["plan"]
     assert planned["runtime"] > 0 and planned["trace"] > 0
-    # full fine-tuning: the optimizer in the backward, each update inside the step (no set of grads, no update after)
-    assert (planned["workspace"] > 0 and planned["grads"] > 0) == (training != "--full")
+    # the optimizer in the backward: each update inside the step (no set of grads, no update after)
+    assert (planned["workspace"] > 0 and planned["grads"] > 0) == (not in_backward)
     assert (planned["optimizer"] > 1 << 30) == (training == "--full")
     assert abs(planned["total"] - r.maxrss) <= 0.10 * r.maxrss, ({k: v / MiB for k, v in planned.items()},
                                                                   r.maxrss / MiB)

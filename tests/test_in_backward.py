@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from planning import plan_settings
-from remat.base.settings import TrainSettings, UsageError
+from remat.base.settings import GateRefused, TrainSettings, UsageError
 from remat.core.graph import StepInputs
 from remat.core.plan import measure, plan
 from remat.core.recompute import rewrite
@@ -65,13 +65,29 @@ def test_the_updates_are_a_plain_adamw_steps_on_the_same_grads(policy):
 
 
 def test_the_trainer_gives_the_losses_of_stepping_after_the_backward():
-    """Full fine-tuning: the default (auto) runs the optimizer in the backward; its losses are bitwise those of
-    stepping after the backward, and its plan holds no set of grads."""
-    inside = run()
-    after = run(optimizer_in_backward="off")
+    """Full fine-tuning with the optimizer in the backward: its losses are bitwise those of stepping after the
+    backward (the default, `auto`, where that fits), and its plan holds no set of grads."""
+    inside = run(optimizer_in_backward="on")
+    after = run()
     assert inside["settings"]["optimizer_in_backward"] == "on" and after["settings"]["optimizer_in_backward"] == "off"
     assert inside["losses"] == after["losses"]
     assert inside["plan"]["grads"] == 0 < after["plan"]["grads"]
+
+
+def test_auto_puts_the_optimizer_in_the_backward_only_where_nothing_else_fits():
+    """Full fine-tuning, `auto`: after the backward (the faster) where some policy fits so; in the backward where
+    only so the job fits; refused, with the in-backward plans, where nothing fits either way."""
+    s = TrainSettings(**TINY)
+    smallest = {where: min(p.total for p in plan_settings(s.model_copy(update={"optimizer_in_backward": where}),
+                                                          step.LADDER).values()) for where in ("off", "on")}
+    assert smallest["on"] < smallest["off"]
+    for budget, where in ((smallest["off"], "off"), (smallest["off"] - 1, "on"), (smallest["on"], "on")):
+        admitted = gate.admit(s, gate.Budget(budget, "--memory-budget"))
+        assert admitted.settings.optimizer_in_backward == where and admitted.shape.updates == (where == "on"), budget
+        assert admitted.plan.total <= budget
+    with pytest.raises(GateRefused) as refused:
+        gate.admit(s, gate.Budget(smallest["on"] - 1, "--memory-budget"))
+    assert min(p["total"] for p in refused.value.plans.values()) == smallest["on"]
 
 
 def test_the_updates_follow_the_models_own_backward_and_adamw():
@@ -124,7 +140,7 @@ def test_every4_plans_below_the_layer_policy_with_it():
     """SmolLM2, full fine-tuning at ctx 2048: stepping after the backward, every policy's total is held up by the
     whole set of grads and the update (2,376 MiB each); in the backward, every:4 plans below on."""
     after = plan_settings(TrainSettings(ctx=2048, lora=False, optimizer_in_backward="off"), ("on", "every:4"))
-    inside = plan_settings(TrainSettings(ctx=2048, lora=False), ("on", "every:4"))
+    inside = plan_settings(TrainSettings(ctx=2048, lora=False, optimizer_in_backward="on"), ("on", "every:4"))
     assert after["every:4"].total == after["on"].total
     assert inside["every:4"].total < inside["on"].total < after["on"].total
 

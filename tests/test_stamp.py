@@ -210,7 +210,7 @@ def test_a_planning_models_plans_are_stamped_without_its_graph(monkeypatch, lora
     from the small trace and its rewrites, they are the plans of the graphs `Planner.build` makes. every:2 keeps
     marks by their layer's number, so the layer copied does not stand for the others: it is planned from the
     whole stamped graph."""
-    s = TrainSettings(model="tiny-llama", ctx=32, batch=1, lora=lora)
+    s = TrainSettings(model="tiny-llama", ctx=32, batch=1, lora=lora, optimizer_in_backward="off" if lora else "on")
     planner = planner_of(s, models.with_layers(models.load_config("tiny-llama"), LAYERS))
     shape = step.StepShape.of(s)
     graphs = []

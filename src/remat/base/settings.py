@@ -157,8 +157,8 @@ class TrainSettings(BaseModel):
     accumulate: int = Field(1, ge=1, description="windows per optimizer step")
     optimizer_in_backward: Literal["auto", "on", "off"] = Field(
         "auto", description="apply each parameter's AdamW update the moment its gradient is complete, inside the "
-        "backward, so the gradients never all exist at once (auto: on for full fine-tuning where it changes nothing "
-        "but memory: one window per step on the window path in one process; off otherwise)")
+        "backward, so the gradients never all exist at once (auto: for full fine-tuning where the job fits no other "
+        "way, as it slows the backward: one window per step on the window path in one process; off otherwise)")
     pack: Annotated[bool, Cli(action="store_true")] = Field(
         False, description="concatenate documents into windows (default: one document per window, padded)")
     memory_budget: MemorySize | None = Field(None, description="e.g. 2GiB (default: free memory of the device)")

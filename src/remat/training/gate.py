@@ -29,7 +29,7 @@ from remat.models import adapters, planned
 from remat.models import load as models
 from remat.models.hf import causal_lm, loss_chunk_for
 from remat.training.distributed import Ranks
-from remat.training.step import Choice, Planner, StepShape, in_backward, not_in_backward
+from remat.training.step import Choice, Planner, StepShape, in_backward, may_run_in_backward, not_in_backward
 
 
 @dataclass(frozen=True)
@@ -159,6 +159,17 @@ def admit(s: TrainSettings, budget: Budget, *, world_size: int = 1, planner: Pla
         planner = planners.planner(s, budget)
     else:
         s = settled(s, causal_lm(planner.model).config, world_size)
+    if s.optimizer_in_backward == "auto":
+        # after the backward where the job fits so: the updates between the backward's ops cost time (measured,
+        # SmolLM2 full fine-tuning at ctx 512: 86 tokens/s in the backward, 109 after it); in it where only so it fits
+        try:
+            return _admitted(s.model_copy(update={"optimizer_in_backward": "off"}), budget, planner, world_size)
+        except GateRefused:
+            s = s.model_copy(update={"optimizer_in_backward": "on"})
+    return _admitted(s, budget, planner, world_size)
+
+
+def _admitted(s: TrainSettings, budget: Budget, planner: Planner, world_size: int) -> Admitted:
     local = Ranks(world_size=world_size, local_world_size=world_size).local(s)
     shape = StepShape.of(local)
     choice = planner.choose(shape, s.recompute, budget.bytes, world_size,
@@ -168,10 +179,11 @@ def admit(s: TrainSettings, budget: Budget, *, world_size: int = 1, planner: Pla
 
 def settled(s: TrainSettings, config: transformers.PretrainedConfig, world_size: int = 1) -> TrainSettings:
     """`s` with what it leaves open chosen: the loss chunk from the model's shape (`hf.loss_chunk_for`), and
-    whether the optimizer runs in the backward (`in_backward`)."""
+    where the optimizer runs: `on` or `off`, or `auto` where it may run in the backward (`may_run_in_backward`:
+    `admit` settles it by the budget)."""
     chunk = s.loss_chunk if s.loss_chunk is not None else loss_chunk_for(config, walk=s.path == "walk")
-    return s.model_copy(update={"loss_chunk": chunk,
-                                "optimizer_in_backward": "on" if in_backward(s, world_size) else "off"})
+    optimizer = "auto" if may_run_in_backward(s, world_size) else "on" if in_backward(s, world_size) else "off"
+    return s.model_copy(update={"loss_chunk": chunk, "optimizer_in_backward": optimizer})
 
 
 def lora_settings(s: TrainSettings) -> adapters.LoraSettings | None:

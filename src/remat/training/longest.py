@@ -121,6 +121,8 @@ def _search_path(s: TrainSettings, path: str, step: int, limit: int, budget: gat
     def smallest(ctx: int, policies: tuple[str, ...] = allowed) -> int:
         nonlocal lead, fixed
         t = at(ctx)
+        if t.optimizer_in_backward == "auto":  # the job as small as it runs: in the backward where only so it fits
+            t = t.model_copy(update={"optimizer_in_backward": "on"})
         with turn():
             plans = planners.planner(t, budget).plans(StepShape.of(t), policies, world_size)
         best = min(plans, key=lambda k: plans[k].total)

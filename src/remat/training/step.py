@@ -57,13 +57,18 @@ class StepShape:
 
 
 def in_backward(s: TrainSettings, world_size: int = 1) -> bool:
-    """Whether the job's optimizer runs in the backward (`training.in_backward`). `auto`: for full fine-tuning, where
-    it changes nothing but memory (torch's AdamW on CPU updates one parameter at a time either way). Where it does
-    not apply, `on` is refused in one line and `auto` is off (`not_in_backward` says why)."""
+    """Whether the job's optimizer runs in the backward (`training.in_backward`): `on`. Where it does not apply,
+    `on` is refused in one line (`not_in_backward` says why). `auto` is the gate's to settle (`gate.admit`: in the
+    backward only where the job fits no other way); until then it is planned after the backward."""
     why = not_in_backward(s, world_size)
     if s.optimizer_in_backward == "on" and why:
         raise UsageError(f"--optimizer-in-backward on does not apply: {why}")
-    return s.optimizer_in_backward == "on" or (s.optimizer_in_backward == "auto" and not s.lora and not why)
+    return s.optimizer_in_backward == "on"
+
+
+def may_run_in_backward(s: TrainSettings, world_size: int = 1) -> bool:
+    """Whether `auto` may put the job's optimizer in the backward: full fine-tuning where it applies."""
+    return s.optimizer_in_backward == "auto" and not s.lora and not_in_backward(s, world_size) is None
 
 
 def not_in_backward(s: TrainSettings, world_size: int = 1) -> str | None:

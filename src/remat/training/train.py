@@ -305,6 +305,7 @@ def _receipt(run: _Run, losses: list[float], first: int, saved: list[str], elaps
         tokens_per_second=trained * s.accumulate * s.batch * s.ctx / elapsed,
         chunk_seconds=run.runner.chunk_seconds,
         settings={**s.model_dump(), "lr": s.learning_rate, "memory_budget": admitted.budget.bytes,
+                  "optimizer_in_backward": admitted.settings.optimizer_in_backward,  # `auto` as the gate settled it
                   "data": s.data if isinstance(s.data, str) or s.data is None else "<records>"},
         resumed_from=str(run.resume.path) if run.resume else None,
         checkpoints=saved,
