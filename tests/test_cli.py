@@ -444,8 +444,10 @@ def test_gate_auto_chooses_by_budget(cli, tiny_plans):
     assert on < off
     # "between" is on's total exactly: a plan equal to the budget fits, one byte more does not.
     budgets = {"off + 1 MiB": off + MiB, "between": on, "below on": on - 1}
-    # --full: `remat plan` plans full fine-tuning (it has no LoRA option).
-    args = ("finetune", "--model", "tiny-llama", "--full", *TINY, "--steps", "2", "--json")
+    # --full: `remat plan` plans full fine-tuning (it has no LoRA option), the optimizer after the backward (with no
+    # budget, auto's answer); held there: below on, auto would put it in the backward (tests/test_in_backward.py)
+    args = ("finetune", "--model", "tiny-llama", "--full", *TINY, "--steps", "2", "--json",
+            "--optimizer-in-backward", "off")
     *auto, forced_off = cli.many(*[(*args, "--memory-budget", f"{b}B") for b in budgets.values()],
                                  (*args, "--memory-budget", f"{off - 1}B", "--recompute", "off"))
     runs = dict(zip(budgets, auto))
