@@ -86,6 +86,24 @@ def test_ratio_says_how_to_read_it():
 
 def test_full_fine_tuning_floor_counts_grads_and_both_moments():
     assert floor_bytes(10, "hf", "full") == 160 and floor_bytes(10, "remat", "lora") == 40
+    assert floor_bytes(10, "blocks", "lora", frozen=7) == 7  # the blocks' bytes, as the side's plans hold them
+
+
+def test_the_float32_side_reads_a_float32_copy_of_the_gguf_with_transformers_values(tmp_path):
+    """remat's float32 side trains on a GGUF that gguf-py dequantized: remat holds it as float32 weights (nothing
+    quantized kept) whose values are the ones transformers loads from the quantized file (the Hugging Face side)."""
+    import torch
+
+    from remat.models.load import load_model
+
+    src = write(tmp_path / "tiny.gguf")
+    copy = llama_cpp.float32_gguf(src, tmp_path / "tiny.f32.gguf")
+    as_stored = dict(load_model(str(copy)).model.named_parameters())
+    hf = dict(load_model(str(src), as_stored=False).model.named_parameters())
+    quantized = dict(load_model(str(src)).model.named_parameters())
+    assert any(p.dtype != torch.float32 for p in quantized.values())  # held as blocks: the check can fail
+    assert as_stored.keys() == hf.keys()
+    assert all(p.dtype == torch.float32 and torch.equal(p, hf[k]) for k, p in as_stored.items())
 
 
 @dataclass(frozen=True)
@@ -118,6 +136,21 @@ def test_rows_from_runs_cap_fit_and_weights():
     assert full["hf"]["status"] == "unmeasured" and full["ratio"] is None
     wanted = confirmations([case], runs, (1, 4))
     assert all(w <= case.confirm_max for *_, w in wanted) and len({t[1:] for t in wanted}) == len(wanted)
+
+
+def test_rows_give_the_blocks_side_with_lora_its_own_floor_and_ratio():
+    case = _Case("tiny", "tiny-llama", 4096)
+    lora = [_run(side, "lora", ctx, purpose, peak, planned) for side, frozen in (("remat", 0), ("blocks", 0))
+            for ctx, purpose, peak, planned in ((64, "plan", None, 10 * MiB), (128, "plan", None, 11 * MiB),
+                                                (64, "fit", 300 * MiB, None), (128, "fit", 301 * MiB, None))]
+    lora = [r | {"planned_frozen": 2 * GiB} if r["side"] == "blocks" and r["purpose"] == "plan" else r for r in lora]
+    runs = lora + [_run("hf", "lora", 64, "fit", 300 * MiB), _run("hf", "lora", 128, "fit", 364 * MiB)]
+    got = {(r["mode"], r["budget_gib"]): r for r in rows([case], runs, (1, 4), 2.0)}
+    assert "blocks" not in got["full", 1]  # full fine-tuning trains float32 copies: no blocks side
+    assert got["lora", 1]["blocks"]["status"] == "weights"  # its plans' frozen bytes (2 GiB) alone exceed 1 GiB
+    assert got["lora", 1]["blocks_ratio"] is None and got["lora", 1]["remat"]["status"] in ("fit", "capped")
+    four = got["lora", 4]
+    assert four["blocks"]["window"] == four["remat"]["window"] and four["blocks_ratio"] == four["ratio"]
 
 
 def test_llama_progress_is_read_after_the_warm_up_window():

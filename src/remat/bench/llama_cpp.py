@@ -67,6 +67,14 @@ def build(sdist: Path) -> Path:
     return out / "bin" / "llama-finetune"
 
 
+def default_float32_gguf() -> Path:
+    """The embedded SmolLM2 GGUF with every tensor float32, in the cache (written once): the values remat and
+    transformers load from the Q4_1 file, for a side that reads a GGUF but should hold float32 weights."""
+    from remat.models.load import default_gguf_path
+    cache_root().mkdir(parents=True, exist_ok=True)
+    return float32_gguf(default_gguf_path(), cache_root() / "SmolLM2-135M-Instruct.f32.gguf")
+
+
 def float32_gguf(src: Path, dest: Path) -> Path:
     """`src` with every tensor dequantized to float32 (gguf-py), its metadata copied, file type ALL_F32."""
     if dest.exists():

@@ -12,11 +12,18 @@ from typing import Any
 
 GiB = 1 << 30
 MiB = 1 << 20
-F32 = 4  # bytes per weight: both sides train float32 weights
+F32 = 4  # bytes per float32 weight
 # What each side holds per weight before any activation, with full fine-tuning: the weight, AdamW's two moments and,
 # on both sides here, one set of grads (Hugging Face: `.grad`; remat's walk: the window's gradient sums).
 FULL_COPIES = {"remat": 4, "hf": 4}
-SIDE_NAMES = {"remat": "remat (walk, recompute on)", "hf": "HF + PEFT + checkpointing"}
+SIDE_NAMES = {"remat": "remat, float32 weights (walk, recompute on)",
+              "blocks": "remat on the GGUF's blocks (walk, recompute on)", "hf": "HF + PEFT + checkpointing"}
+
+
+def sides(mode: str) -> tuple[str, ...]:
+    """The sides measured: remat on float32 weights and, with LoRA, on the weights as the GGUF stores them (full
+    fine-tuning trains float32 copies of a quantized base: the same job as the first), and Hugging Face."""
+    return (("remat", "blocks") if mode == "lora" else ("remat",)) + ("hf",)
 
 
 @functools.cache
@@ -37,10 +44,13 @@ def max_context(spec: str | None) -> int:
     return models.max_ctx(models.load_config(spec))
 
 
-def floor_bytes(n_params: int, side: str, mode: str) -> int:
-    """What `side` holds before any activation: the frozen weights (LoRA; the adapter is a rounding error), or the
-    weights with their grads and optimizer state (full)."""
-    return n_params * F32 * (FULL_COPIES[side] if mode == "full" else 1)
+def floor_bytes(n_params: int, side: str, mode: str, frozen: int | None = None) -> int:
+    """What `side` holds before any activation: the frozen weights (LoRA; the adapter is a rounding error: float32,
+    or on the blocks side `frozen`, the bytes its plans hold), or the weights with their grads and optimizer state
+    (full)."""
+    if mode == "full":
+        return n_params * F32 * FULL_COPIES[side]
+    return frozen or 0 if side == "blocks" else n_params * F32
 
 
 def fit(points: Sequence[tuple[int, int]]) -> list[float] | None:
@@ -101,12 +111,12 @@ def anchored(plans: dict[int, int], measured: Sequence[tuple[int, int]], offset:
     return [(n, t + offset) for n, t in sorted(plans.items())]
 
 
-def borrowed_offset(runs: list[dict], mode: str) -> int | None:
-    """What remat's measured runs held beyond their plans, over every model measured with `mode` (for a model remat
-    only plans here)."""
-    labels = {r["model"] for r in runs if r["side"] == "remat" and r["purpose"] == "fit" and r["mode"] == mode}
-    gaps = sorted(p - plans[n] for label in labels for plans in [_plans(runs, label, mode)]
-                  for n, p in _points(runs, label, "remat", mode) if n in plans)
+def borrowed_offset(runs: list[dict], side: str, mode: str) -> int | None:
+    """What remat's measured runs of `side` held beyond their plans, over every model measured with `mode` (for a
+    model remat only plans here)."""
+    labels = {r["model"] for r in runs if r["side"] == side and r["purpose"] == "fit" and r["mode"] == mode}
+    gaps = sorted(p - plans[n] for label in labels for plans in [_plans(runs, label, side, mode)]
+                  for n, p in _points(runs, label, side, mode) if n in plans)
     return gaps[len(gaps) // 2] if gaps else None
 
 
@@ -139,8 +149,8 @@ def raw_window(runs: list[dict], label: str, side: str, mode: str, budget: int) 
     (0 where loading the model alone peaks over the budget), remat's from its plans anchored on its measured peaks
     (`anchored`)."""
     points = _points(runs, label, side, mode)
-    if side == "remat":
-        curve = anchored(_plans(runs, label, mode), points, borrowed_offset(runs, mode))
+    if side != "hf":
+        curve = anchored(_plans(runs, label, side, mode), points, borrowed_offset(runs, side, mode))
         return None if curve is None else piecewise_longest(curve, budget)
     coef = fit(points)
     if coef is None:
@@ -177,9 +187,15 @@ def _load_peak(runs: list[dict], label: str, side: str, mode: str) -> int:
                 if (r["model"], r["side"], r["mode"], r["purpose"]) == (label, side, mode, "fit")), default=0)
 
 
-def _plans(runs: list[dict], label: str, mode: str) -> dict[int, int]:
+def _plans(runs: list[dict], label: str, side: str, mode: str) -> dict[int, int]:
     return {r["ctx"]: r["planned_total"] for r in runs
-            if (r["model"], r["side"], r["mode"], r["purpose"]) == (label, "remat", mode, "plan")}
+            if (r["model"], r["side"], r["mode"], r["purpose"]) == (label, side, mode, "plan")}
+
+
+def _frozen(runs: list[dict], label: str, side: str, mode: str) -> int | None:
+    """The frozen weights' bytes in the side's plans (None without a plan that says)."""
+    return next((r["planned_frozen"] for r in runs if (r["model"], r["side"], r["mode"], r["purpose"]) ==
+                 (label, side, mode, "plan") and "planned_frozen" in r), None)
 
 
 def _confirms(runs: list[dict], label: str, side: str, mode: str) -> dict[int, int | None]:
@@ -188,21 +204,28 @@ def _confirms(runs: list[dict], label: str, side: str, mode: str) -> dict[int, i
 
 
 def rows(cases: Sequence[Any], runs: list[dict], budgets: Sequence[int], target: float) -> list[dict]:
-    """Every (model, training, budget) row: both sides and their ratio."""
+    """Every (model, training, budget) row: each side, remat's ratios to Hugging Face (`ratio`: on the same float32
+    weights, the one the target is for; `blocks_ratio`: on the GGUF's blocks)."""
     out = []
     for case in cases:
         n, cap = parameter_count(case.spec), max_context(case.spec)
         for mode in ("lora", "full"):
             for gib in budgets:
-                sides = {side: side_row(raw_window(runs, case.label, side, mode, gib * GiB), gib * GiB,
-                                        floor_bytes(n, side, mode), cap, _confirms(runs, case.label, side, mode))
-                         for side in ("remat", "hf")}
-                if not _points(runs, case.label, "remat", mode) and sides["remat"]["status"] in ("fit", "capped"):
-                    sides["remat"]["plan_only"] = True
-                r, note = ratio(sides["remat"], sides["hf"])
-                met = None if note != "exact" else r is not None and r >= target
-                out.append({"model": case.label, "spec": case.spec, "mode": mode, "budget_gib": gib,
-                            "parameters": n, **sides, "ratio": r, "ratio_note": note, "target_met": met})
+                row: dict[str, Any] = {"model": case.label, "spec": case.spec, "mix": getattr(case, "mix", None),
+                                       "mode": mode, "budget_gib": gib, "parameters": n}
+                for side in sides(mode):
+                    row[side] = side_row(raw_window(runs, case.label, side, mode, gib * GiB), gib * GiB,
+                                         floor_bytes(n, side, mode, _frozen(runs, case.label, side, mode)), cap,
+                                         _confirms(runs, case.label, side, mode))
+                    if side != "hf" and not _points(runs, case.label, side, mode) and \
+                            row[side]["status"] in ("fit", "capped"):
+                        row[side]["plan_only"] = True
+                r, note = ratio(row["remat"], row["hf"])
+                row |= {"ratio": r, "ratio_note": note,
+                        "target_met": None if note != "exact" else r is not None and r >= target}
+                if "blocks" in row:
+                    row["blocks_ratio"], row["blocks_ratio_note"] = ratio(row["blocks"], row["hf"])
+                out.append(row)
     return out
 
 
@@ -212,7 +235,7 @@ def confirmations(cases: Sequence[Any], runs: list[dict], budgets: Sequence[int]
     want: dict[tuple, Any] = {}
     for row in rows(cases, runs, budgets, 0.0):
         case = next(c for c in cases if c.label == row["model"])
-        for side in ("remat", "hf"):
+        for side in sides(row["mode"]):
             w = row[side]["window"]
             if row[side]["status"] in ("fit", "capped") and w and w <= case.confirm_max:
                 want[(case.label, side, row["mode"], w)] = case
@@ -250,19 +273,26 @@ def _note(r: dict) -> str:
     return ""
 
 
+def ratio_text(r: float | None, note: str) -> str:
+    if r is None:
+        return note or "–"
+    return f"{r:.2f}×" + ("" if note == "exact" else f" ({note})")
+
+
 def markdown(res: dict) -> str:
     lines = ["# Longest training window within a memory budget: remat against Hugging Face + PEFT", "",
-             "| model | training | budget | remat (walk, recompute on) | HF + PEFT + gradient checkpointing "
-             "| remat / HF | ≥ 2× |", "|---|---|---:|---|---|---|---|"]
+             "| model | training | budget | remat, float32 weights | remat, the GGUF's blocks "
+             "| HF + PEFT + gradient checkpointing (float32 weights) | remat / HF (float32) | blocks / HF | ≥ 2× |",
+             "|---|---|---:|---|---|---|---|---|---|"]
     for r in res["rows"]:
-        ratio_text = "–" if r["ratio"] is None else f"{r['ratio']:.2f}×" + (
-            "" if r["ratio_note"] == "exact" else f" ({r['ratio_note']})")
-        if r["ratio"] is None and r["ratio_note"]:
-            ratio_text = r["ratio_note"]
         met = {True: "yes", False: "NO", None: "–"}[r["target_met"]]
+        blocks = "as float32 (full fine-tuning trains float32 copies of the weights)"
+        if "blocks" in r:
+            blocks = cell(r["blocks"]) + (f" (at {r['mix'].upper()})" if r["mix"] else "")
         lines.append(f"| {r['model']} | {'LoRA r8' if r['mode'] == 'lora' else 'full'} | {r['budget_gib']} GiB "
-                     f"| {cell(r['remat'])} | {cell(r['hf'])} | {ratio_text} | {met} |")
-    lines += ["", "Windows in tokens, batch 1, float32 weights on both sides. Measured runs (one step each, a child "
+                     f"| {cell(r['remat'])} | {blocks} | {cell(r['hf'])} | {ratio_text(r['ratio'], r['ratio_note'])} "
+                     f"| {ratio_text(r.get('blocks_ratio'), r.get('blocks_ratio_note', ''))} | {met} |")
+    lines += ["", "Windows in tokens, batch 1, every side computing in float32. Measured runs (one step each, a child "
               "process's peak resident set):", "",
               "| model | side | training | window | purpose | peak MiB | seconds | note |",
               "|---|---|---|---:|---|---:|---:|---|"]
@@ -282,21 +312,24 @@ METHOD = ("Hugging Face + PEFT: one training step at each of a few short windows
           "Where the child reports its training phase's peak apart from its load's (VmHWM reset once the model is "
           "built: transformers' init of a preset from its config peaks above what a short window's training holds), "
           "the line goes through the training peaks and the load's peak must fit the budget too. "
-          "The same model and float32 weights (remat.models.load; a plan-only preset built by transformers from its "
-          "config), PEFT LoRA with remat's default adapter (r 8, every decoder linear layer) or every weight, "
-          "`gradient_checkpointing_enable()` (non-reentrant), the model's own loss (`labels=`), AdamW. remat: "
-          "`remat finetune --path walk --recompute on` (the exact walk: the whole window's gradient; the graph holds "
-          "one chunk, only the K/V cache and its gradient grow with the window), one step at the same short windows "
-          "measured the same way; its curve is its plans (`remat plan`, same settings, windows up to the model's "
-          "maximum context) moved up by what those runs held beyond their plans (runtime, trace, allocator: the "
-          "median gap), solved on that broken line. Its growth per token (the cache, about 0.1 MiB a token on "
-          "SmolLM2) is below the noise of a peak measured at short windows: the plans give the slope, the runs the "
-          "level. qwen2.5-coder-1.5b is a plan-only preset in remat (`remat finetune` does not build it): its remat "
-          "rows are plans plus the gap measured on SmolLM2, marked \"plan only\". \"fit only\": no run at the "
-          "found window (one step there takes longer than this shared 2-core machine had). Weights do not fit: "
-          "the frozen weights (LoRA) or weights + grads + AdamW's two moments (full, 4 × 4 bytes a weight) alone "
-          "exceed the budget. Capped: the window found is past the model's maximum context "
-          "(`max_position_embeddings`).")
+          "The same model and float32 weights (transformers dequantizes a GGUF as it loads it: remat.models.load "
+          "with as_stored=False; a plan-only preset built by transformers from its config), PEFT LoRA with remat's "
+          "default adapter (r 8, every decoder linear layer) or every weight, `gradient_checkpointing_enable()` "
+          "(non-reentrant), the model's own loss (`labels=`), AdamW. remat: `remat finetune --path walk --recompute "
+          "on --dtype float32` (the exact walk: the whole window's gradient; the graph holds one chunk, only the K/V "
+          "cache and its gradient grow with the window) on float32 weights (the embedded GGUF dequantized by gguf-py "
+          "into a float32 GGUF: Hugging Face's values) and, with LoRA, on the weights as the GGUF stores them (the "
+          "embedded Q4_1 blocks; the preset planned at the Q4_K_M mix, `--weights q4_k_m`), one step at the same "
+          "short windows measured the same way; its curve is its plans (`remat plan`, same settings, windows up to "
+          "the model's maximum context) moved up by what those runs held beyond their plans (runtime, trace, "
+          "allocator: the median gap), solved on that broken line. Its growth per token (the cache, about 0.1 MiB a "
+          "token on SmolLM2) is below the noise of a peak measured at short windows: the plans give the slope, the "
+          "runs the level. qwen2.5-coder-1.5b is a plan-only preset in remat (`remat finetune` does not build it): "
+          "its remat rows are plans plus the gap measured on SmolLM2 (the same side), marked \"plan only\". "
+          "\"confirmed\": one step run at the window found, its peak within the budget; \"fit only\": no run there "
+          "(longer than this machine has). Weights do not fit: the frozen weights (LoRA: float32, or the blocks' "
+          "bytes) or weights + grads + AdamW's two moments (full, 4 × 4 bytes a weight) alone exceed the budget. "
+          "Capped: the window found is past the model's maximum context (`max_position_embeddings`).")
 
 
 def report(cases: Sequence[Any], runs: list[dict], budgets: Sequence[int], target: float, machine: str,
@@ -314,8 +347,8 @@ def report(cases: Sequence[Any], runs: list[dict], budgets: Sequence[int], targe
 def _curve(runs: list[dict], case: Any, side: str, mode: str) -> list[tuple[float, float]]:
     """What the report solves on, to draw: remat's anchored plans, Hugging Face's fit."""
     points, top = _points(runs, case.label, side, mode), max_context(case.spec)
-    if side == "remat":
-        curve = anchored(_plans(runs, case.label, mode), points, borrowed_offset(runs, mode)) or []
+    if side != "hf":
+        curve = anchored(_plans(runs, case.label, side, mode), points, borrowed_offset(runs, side, mode)) or []
         return [(float(n), p) for n, p in curve]
     coef = fit(points)
     return [] if coef is None else [(top * i / 100, predict(coef, top * i / 100)) for i in range(101)]
@@ -330,10 +363,11 @@ def plot(cases: Sequence[Any], res: dict, dest: Path) -> None:
     panels = [(c, m) for c in cases for m in ("lora", "full") if _points(runs, c.label, "hf", m)]
     fig, axes = plt.subplots(1, max(len(panels), 1), figsize=(5.5 * max(len(panels), 1), 4.2), squeeze=False)
     for ax, (case, mode) in zip(axes[0], panels):
-        for side, colour in (("remat", "tab:blue"), ("hf", "tab:orange")):
+        for side in sides(mode):
+            colour = {"remat": "tab:blue", "blocks": "tab:green", "hf": "tab:orange"}[side]
             curve = _curve(runs, case, side, mode)
             ax.plot([n for n, _ in curve], [p / GiB for _, p in curve], color=colour, lw=1,
-                    label=SIDE_NAMES[side] + (": plans + measured gap" if side == "remat" else ": fit"))
+                    label=SIDE_NAMES[side] + (": fit" if side == "hf" else ": plans + measured gap"))
             pts = _points(runs, case.label, side, mode)
             ax.scatter([n for n, _ in pts], [p / GiB for _, p in pts], color=colour, s=18)
         for gib in res["budgets_gib"]:

@@ -4,11 +4,13 @@
     python -m remat.bench.longest_window --report-only         # the report from bench/results/longest_window/runs.json
 
 Hugging Face + PEFT's window is found from measured runs: one step at each of a few short windows
-(`peers.measured`: a child process, its peak resident set; float32 weights on both sides), a line (a parabola from
-three windows on) fitted through the peaks and solved for the budget. remat's side, its path for long windows
-(the exact walk, chunks of `Case.ubatch` tokens over the window's K/V cache, recompute on), runs at the same short
-windows, measured the same way, and its curve is its plans (`remat plan`, no weights) up to the model's maximum
-context, moved by what those runs held beyond their plans (see `longest_report`). A confirming run at the found
+(`peers.measured`: a child process, its peak resident set; float32 weights, as transformers loads a GGUF), a line
+(a parabola from three windows on) fitted through the peaks and solved for the budget. remat's side, its path for
+long windows (the exact walk, chunks of `Case.ubatch` tokens over the window's K/V cache, recompute on), runs at the
+same short windows, measured the same way, twice with LoRA: on float32 weights (side `remat`: the same weights as
+Hugging Face's) and on the weights as the GGUF stores them (side `blocks`; a preset planned at `Case.mix`). Its
+curve is its plans (`remat plan`, no weights) up to the model's maximum context, moved by what those runs held
+beyond their plans (see `longest_report`). A confirming run at the found
 window runs where this machine can run it (`Case.confirm_max`, not `--no-confirm`); elsewhere the row says "fit
 only". Rows the model's maximum context caps say so; where the weights (and, with full fine-tuning, the grads and
 AdamW's two moments) alone exceed the budget, the row says that instead of a number. Every run and plan is kept in
@@ -25,8 +27,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from remat.bench import peers
-from remat.bench.longest_report import report
+from remat.bench import llama_cpp, peers
+from remat.bench.longest_report import report, sides
 
 GiB = 1 << 30
 BUDGETS = (4, 8, 16)  # GiB
@@ -42,15 +44,15 @@ class Case:
     confirm_max: int  # the longest window a confirming run is tried at on this machine
     plan_windows: tuple[int, ...]  # remat's plans: its curve between and past the measured windows
     remat_trains: bool = True  # False: a plan-only preset to remat (`remat finetune` refuses it): plans alone
+    mix: str | None = None  # the blocks side's GGUF type mix (`--weights`), for a preset; None: the file's own
 
 
 CASES = (
-    Case("SmolLM2-135M (embedded GGUF)", None, (256, 512), 256, 1024,
+    Case("SmolLM2-135M (embedded GGUF)", None, (256, 512), 256, 8192,
          (256, 1024, 2048, 4096, 8192)),
     Case("qwen2.5-coder-1.5b (preset)", "qwen2.5-coder-1.5b", (64, 128), 64, 128,
-         (64, 128, 1024, 4096, 8192, 16384, 32768), remat_trains=False),
+         (64, 128, 1024, 4096, 8192, 16384, 32768), remat_trains=False, mix="q4_k_m"),
 )
-SIDES = ("remat", "hf")
 MODES = ("lora", "full")
 OUT = peers.ROOT / "bench" / "results" / "longest_window"
 
@@ -59,12 +61,22 @@ def run_key(r: dict) -> tuple:
     return r["model"], r["side"], r["mode"], r["ctx"], r["purpose"]
 
 
+def remat_model(case: Case, side: str) -> tuple[str | None, str | None]:
+    """remat's model and `--weights` for `side`: as stored (`blocks`), or float32 (a GGUF's float32 copy; a preset
+    is float32 already)."""
+    if side == "blocks":
+        return case.spec, case.mix
+    if case.spec is None:
+        return str(llama_cpp.default_float32_gguf()), None
+    return case.spec, None
+
+
 def side_cmd(case: Case, side: str, mode: str, ctx: int, data: Path) -> list[str]:
     lora = mode == "lora"
     if side == "hf":
         return peers.hf_cmd(case.spec, ctx, lora=lora, steps=1)
     extra = ("--path", "walk", "--ubatch", str(min(case.ubatch, ctx)), "--recompute", "on")
-    return peers.remat_cmd(case.spec, ctx, lora=lora, steps=1, data=data, extra=extra)
+    return peers.remat_cmd(remat_model(case, side)[0], ctx, lora=lora, steps=1, data=data, extra=extra)
 
 
 def measure(case: Case, side: str, mode: str, ctx: int, purpose: str, data: Path, timeout: float) -> dict:
@@ -83,20 +95,22 @@ def measure(case: Case, side: str, mode: str, ctx: int, purpose: str, data: Path
     return row
 
 
-def plan(case: Case, mode: str, ctx: int) -> dict:
-    """remat's plan of its side at `ctx` (`remat plan --path walk --recompute on`: from the config, no weights)."""
+def plan(case: Case, side: str, mode: str, ctx: int) -> dict:
+    """remat's plan of `side` at `ctx` (`remat plan --path walk --recompute on`: from the file's header or the
+    preset's config, no weights)."""
     import time
 
     from remat.base.settings import TrainSettings
     from remat.training import gate
 
     t0 = time.perf_counter()
-    s = TrainSettings(model=case.spec, ctx=ctx, lora=mode == "lora", path="walk", ubatch=min(case.ubatch, ctx),
-                      recompute="on")
-    admitted = gate.admit(s, gate.Budget.unlimited(), world_size=1, planners=_planners(case.spec))
-    return {"model": case.label, "side": "remat", "mode": mode, "ctx": ctx, "purpose": "plan", "rc": 0,
+    model, weights = remat_model(case, side)
+    s = TrainSettings(model=model, weights=weights, ctx=ctx, lora=mode == "lora", path="walk",
+                      ubatch=min(case.ubatch, ctx), recompute="on", dtype="float32")
+    planned = gate.admit(s, gate.Budget.unlimited(), world_size=1, planners=_planners(model)).plans["on"]
+    return {"model": case.label, "side": side, "mode": mode, "ctx": ctx, "purpose": "plan", "rc": 0,
             "peak_rss": None, "seconds": round(time.perf_counter() - t0, 1),
-            "planned_total": admitted.plans["on"].total}
+            "planned_total": planned.total, "planned_frozen": planned.frozen}
 
 
 @functools.cache
@@ -149,8 +163,8 @@ def _measure_all(cases: list[Case], runs: list[dict], path: Path, machine: str, 
         if (case.label, side, mode, ctx, purpose) in done:
             return
         print(f"longest_window: {case.label} {side} {mode} ctx {ctx} ({purpose})", file=sys.stderr, flush=True)
-        runs.append(plan(case, mode, ctx) if purpose == "plan" else measure(case, side, mode, ctx, purpose, data,
-                                                                             timeout))
+        runs.append(plan(case, side, mode, ctx) if purpose == "plan" else
+                    measure(case, side, mode, ctx, purpose, data, timeout))
         done.add(run_key(runs[-1]))
         save_runs(path, runs, machine)
         print(f"  -> {runs[-1]}", file=sys.stderr, flush=True)
@@ -159,10 +173,11 @@ def _measure_all(cases: list[Case], runs: list[dict], path: Path, machine: str, 
         for case in cases:
             if mode == "full" and not _fits_at_all(case, BUDGETS[-1]):
                 continue  # the weights and the optimizer's state alone exceed the largest budget
-            for ctx in case.plan_windows:
-                one(case, "remat", mode, ctx, "plan")
+            for side in sides(mode)[:-1]:
+                for ctx in case.plan_windows:
+                    one(case, side, mode, ctx, "plan")
             for ctx in case.windows if train else ():
-                for side in SIDES if case.remat_trains else ("hf",):
+                for side in sides(mode) if case.remat_trains else ("hf",):
                     one(case, side, mode, ctx, "fit")
     if confirm and train:
         for case, side, mode, ctx in confirmations([c for c in cases], runs, BUDGETS):
@@ -173,7 +188,7 @@ def _measure_all(cases: list[Case], runs: list[dict], path: Path, machine: str, 
 def _fits_at_all(case: Case, budget_gib: int) -> bool:
     from remat.bench.longest_report import floor_bytes, parameter_count
     n = parameter_count(case.spec)
-    return min(floor_bytes(n, side, "full") for side in SIDES) < budget_gib * GiB
+    return min(floor_bytes(n, side, "full") for side in sides("full")) < budget_gib * GiB
 
 
 if __name__ == "__main__":

@@ -144,11 +144,8 @@ def _llama(a: argparse.Namespace, data: Path) -> tuple[dict | None, str]:
     binary, how = llama_cpp.find_binary(a.llama_finetune, a.llama_sdist)
     if binary is None:
         return None, how
-    from remat.models.load import default_gguf_path
-    cache = llama_cpp.cache_root()
-    cache.mkdir(parents=True, exist_ok=True)
-    model = llama_cpp.float32_gguf(default_gguf_path(), cache / "SmolLM2-135M-Instruct.f32.gguf")
-    text = llama_text(data, cache / f"train-{a.ctx}-{a.steps}.txt", a.ctx, a.steps)
+    model = llama_cpp.default_float32_gguf()
+    text = llama_text(data, llama_cpp.cache_root() / f"train-{a.ctx}-{a.steps}.txt", a.ctx, a.steps)
     return {"binary": binary, "model": model, "text": text}, f"llama-finetune {how}"
 
 
