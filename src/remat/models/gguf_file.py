@@ -13,6 +13,7 @@ loaded by transformers, dequantized (`transformers_converts`).
 from __future__ import annotations
 
 import dataclasses
+import mmap
 import os
 import weakref
 from collections.abc import Iterator
@@ -184,7 +185,7 @@ def load_into(model: nn.Module, reader: gguf.GGUFReader, file: tuple | None = No
     parsed: dict[str, Any] = {"tensors": {}}
     filled, dequantized, kept = set(), dict[str, int](), dict[str, tuple[torch.Tensor, int]]()
     keys: dict[str, tuple] = {}
-    for info, t in zip(tensors(reader), reader.tensors):
+    for t, info in zip(_dropped_once_read(reader), tensors(reader)):
         name = mapped.get(info.name, "")
         target = params.get(name)
         qtype = kept_type(arch, info, tuple(target.shape)) if target is not None else None
@@ -213,6 +214,19 @@ def load_into(model: nn.Module, reader: gguf.GGUFReader, file: tuple | None = No
     if missing:
         raise GGUFError(f"the GGUF has no tensor for {', '.join(missing[:3])}" + (" ..." if len(missing) > 3 else ""))
     return [f"{n} {kind} tensor{'s' * (n > 1)} dequantized at load (float32)" for kind, n in dequantized.items()]
+
+
+def _dropped_once_read(reader: gguf.GGUFReader) -> Iterator[Any]:
+    """The reader's tensors, each one's pages of the mapped file dropped from the process once the next is asked
+    for (every value is copied by then). Read through the mapping, they count in the resident set until the reader
+    is closed: a float32 GGUF's whole size again at load (SmolLM2: peak 1,580 MiB, 902 once loaded); dropped,
+    a page read again comes back from the file."""
+    handle = getattr(reader.data, "_mmap", None)
+    for t in reader.tensors:
+        yield t
+        if handle is not None and hasattr(mmap, "MADV_DONTNEED"):
+            start = t.data_offset // mmap.PAGESIZE * mmap.PAGESIZE
+            handle.madvise(mmap.MADV_DONTNEED, start, t.data_offset + t.n_bytes - start)
 
 
 def _blocks(weights: Any, key: tuple | None, shape: torch.Size) -> torch.Tensor:
