@@ -199,3 +199,13 @@ def test_the_hugging_face_side_trains_float32_weights_of_a_gguf(tmp_path, lora):
     every = sum(p.numel() for p in model.parameters())
     assert got["dtype"] == "torch.float32"
     assert (got["trainable_parameters"] == every) != lora and got["trainable_parameters"] > 0
+
+
+def test_a_confirming_run_over_the_budget_moves_the_fit():
+    case = _Case("tiny", "tiny-llama", 4096)
+    fits = [_run("hf", "lora", 64, "fit", 300 * MiB), _run("hf", "lora", 128, "fit", 364 * MiB)]
+    first = next(r["hf"] for r in rows([case], fits, (1,), 2.0) if r["mode"] == "lora")
+    over = _run("hf", "lora", first["window"], "confirm", GiB + 100 * MiB)  # the line promised more than it held
+    moved = next(r["hf"] for r in rows([case], [*fits, over], (1,), 2.0) if r["mode"] == "lora")
+    assert moved["window"] < first["window"] and "confirmed" not in moved
+    assert (case, "hf", "lora", moved["window"]) in confirmations([case], [*fits, over], (1,))  # run there next

@@ -175,16 +175,20 @@ def ratio(remat: dict, hf: dict) -> tuple[float | None, str]:
 
 
 def _points(runs: list[dict], label: str, side: str, mode: str) -> list[tuple[int, int]]:
-    """(window, peak) of the side's measured runs: the training phase's peak where the child reported it apart
-    from its load's (the Hugging Face child), else the whole process's."""
+    """(window, peak) of the side's measured runs, the fit's and the confirming ones (a confirming run over the
+    budget moves the fit: a line through two short windows can promise far more than a long one holds): the
+    training phase's peak where the child reported it apart from its load's (the Hugging Face child), else the
+    whole process's."""
     return [(r["ctx"], r.get("train_peak_rss") or r["peak_rss"]) for r in runs
-            if (r["model"], r["side"], r["mode"], r["purpose"]) == (label, side, mode, "fit") and r["peak_rss"]]
+            if (r["model"], r["side"], r["mode"]) == (label, side, mode) and r["purpose"] in ("fit", "confirm")
+            and r["peak_rss"]]
 
 
 def _load_peak(runs: list[dict], label: str, side: str, mode: str) -> int:
     """The highest peak of the runs' load phase (0 where none was reported apart)."""
     return max((r.get("load_peak_rss") or 0 for r in runs
-                if (r["model"], r["side"], r["mode"], r["purpose"]) == (label, side, mode, "fit")), default=0)
+                if (r["model"], r["side"], r["mode"]) == (label, side, mode) and r["purpose"] in ("fit", "confirm")),
+               default=0)
 
 
 def _plans(runs: list[dict], label: str, side: str, mode: str) -> dict[int, int]:
