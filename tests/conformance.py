@@ -76,6 +76,8 @@ TINY = {
     "linear_num_value_heads": 4,
     "linear_key_head_dim": 16,
     "linear_value_head_dim": 16,
+    "linear_num_heads": 4,  # linear attention (Kimi delta attention, Bailing's): 32 heads of 128 by default
+    "linear_head_dim": 16,
     # state space layers
     "state_size": 16,
     "mamba_d_state": 16,
