@@ -83,6 +83,20 @@ def test_output_dtype_is_the_argument():
     assert half.dtype == torch.bfloat16 and torch.equal(half, exact.to(torch.bfloat16))
 
 
+@pytest.mark.parametrize("qtype", sorted(SCALES, key=int), ids=lambda q: q.name)
+def test_a_narrower_dtype_is_made_piece_by_piece_as_the_float32_values_cast(qtype, monkeypatch):
+    """Into bfloat16 and float16 the weight is dequantized a piece of rows at a time; every piece boundary (one
+    or two blocks a piece here) leaves each value the float32 one cast, NaN payloads included."""
+    size = gguf.GGML_QUANT_SIZES[qtype][0]
+    raw = torch.from_numpy(_random_blocks(qtype, rows=6, blocks_per_row=3, seed=4))
+    shape = [6, 3 * size]
+    exact = quant.dequantize(raw, int(qtype), shape, torch.float32)
+    monkeypatch.setattr(quant, "PIECE", 2 * size)  # two blocks a piece: pieces end inside rows and at their ends
+    for dtype in (torch.bfloat16, torch.float16):
+        got = quant.dequantize(raw, int(qtype), shape, dtype)
+        assert got.dtype == dtype and torch.equal(got.view(torch.int16), exact.to(dtype).view(torch.int16))
+
+
 def test_bad_blocks_are_refused():
     raw = torch.zeros(4, 34, dtype=torch.uint8)
     with pytest.raises(ValueError, match="do not hold"):
