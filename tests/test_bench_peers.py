@@ -205,7 +205,10 @@ def test_a_confirming_run_over_the_budget_moves_the_fit():
     case = _Case("tiny", "tiny-llama", 4096)
     fits = [_run("hf", "lora", 64, "fit", 300 * MiB), _run("hf", "lora", 128, "fit", 364 * MiB)]
     first = next(r["hf"] for r in rows([case], fits, (1,), 2.0) if r["mode"] == "lora")
-    over = _run("hf", "lora", first["window"], "confirm", GiB + 100 * MiB)  # the line promised more than it held
+    over = _run("hf", "lora", first["window"], "confirm", GiB + 100 * MiB) | {"budget": GiB}  # it promised more
     moved = next(r["hf"] for r in rows([case], [*fits, over], (1,), 2.0) if r["mode"] == "lora")
     assert moved["window"] < first["window"] and "confirmed" not in moved
-    assert (case, "hf", "lora", moved["window"]) in confirmations([case], [*fits, over], (1,))  # run there next
+    assert (case, "hf", "lora", moved["window"], 1) in confirmations([case], [*fits, over], (1,))  # run there next
+    within = _run("hf", "lora", first["window"], "confirm", GiB - MiB) | {"budget": GiB}
+    kept = next(r["hf"] for r in rows([case], [*fits, within], (1,), 2.0) if r["mode"] == "lora")
+    assert kept["window"] == first["window"] and kept["confirmed"]  # a run within its budget leaves the fit

@@ -175,13 +175,21 @@ def ratio(remat: dict, hf: dict) -> tuple[float | None, str]:
 
 
 def _points(runs: list[dict], label: str, side: str, mode: str) -> list[tuple[int, int]]:
-    """(window, peak) of the side's measured runs, the fit's and the confirming ones (a confirming run over the
-    budget moves the fit: a line through two short windows can promise far more than a long one holds): the
-    training phase's peak where the child reported it apart from its load's (the Hugging Face child), else the
-    whole process's."""
-    return [(r["ctx"], r.get("train_peak_rss") or r["peak_rss"]) for r in runs
-            if (r["model"], r["side"], r["mode"]) == (label, side, mode) and r["purpose"] in ("fit", "confirm")
-            and r["peak_rss"]]
+    """(window, peak) of the side's measured runs: the fit's, and a confirming run that went over the budget it
+    was run for (a line through two short windows can promise far more than a long one holds; one within its
+    budget confirms the window and leaves the fit as it is): the training phase's peak where the child reported
+    it apart from its load's (the Hugging Face child), else the whole process's."""
+    return [(r["ctx"], _peak(r)) for r in runs
+            if (r["model"], r["side"], r["mode"]) == (label, side, mode) and r["peak_rss"] and _refits(r)]
+
+
+def _refits(r: dict) -> bool:
+    """A fit's run, or a confirming run over the budget it was run for."""
+    return r["purpose"] == "fit" or (r["purpose"] == "confirm" and _peak(r) > r.get("budget", float("inf")))
+
+
+def _peak(r: dict) -> int:
+    return r.get("train_peak_rss") or r["peak_rss"]
 
 
 def _load_peak(runs: list[dict], label: str, side: str, mode: str) -> int:
@@ -233,17 +241,18 @@ def rows(cases: Sequence[Any], runs: list[dict], budgets: Sequence[int], target:
     return out
 
 
-def confirmations(cases: Sequence[Any], runs: list[dict], budgets: Sequence[int]) -> list[tuple[Any, str, str, int]]:
+def confirmations(cases: Sequence[Any], runs: list[dict], budgets: Sequence[int]
+                  ) -> list[tuple[Any, str, str, int, int]]:
     """The confirming runs the rows ask for: each side's found window (the cap, where capped) up to the case's
-    `confirm_max`, each window once, shortest first."""
-    want: dict[tuple, Any] = {}
+    `confirm_max`, each window once with the smallest budget (GiB) that asks for it, shortest first."""
+    want: dict[tuple, tuple[Any, int]] = {}
     for row in rows(cases, runs, budgets, 0.0):
         case = next(c for c in cases if c.label == row["model"])
         for side in sides(row["mode"]):
             w = row[side]["window"]
             if row[side]["status"] in ("fit", "capped") and w and w <= case.confirm_max:
-                want[(case.label, side, row["mode"], w)] = case
-    return sorted(((c, s, m, w) for (_, s, m, w), c in want.items()), key=lambda t: t[3])
+                want.setdefault((case.label, side, row["mode"], w), (case, row["budget_gib"]))
+    return sorted(((c, s, m, w, gib) for (_, s, m, w), (c, gib) in want.items()), key=lambda t: t[3])
 
 
 # ------------------------------------------------------------------------------------------ the report

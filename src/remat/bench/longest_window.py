@@ -160,12 +160,14 @@ def _measure_all(cases: list[Case], runs: list[dict], path: Path, machine: str, 
     runs[:] = [r for r in runs if r.get("rc") == 0]  # a failed run is tried again
     done = {run_key(r) for r in runs}
 
-    def one(case: Case, side: str, mode: str, ctx: int, purpose: str) -> None:
+    def one(case: Case, side: str, mode: str, ctx: int, purpose: str, budget_gib: int | None = None) -> None:
         if (case.label, side, mode, ctx, purpose) in done:
             return
         print(f"longest_window: {case.label} {side} {mode} ctx {ctx} ({purpose})", file=sys.stderr, flush=True)
         runs.append(plan(case, side, mode, ctx) if purpose == "plan" else
                     measure(case, side, mode, ctx, purpose, data, timeout))
+        if budget_gib is not None:  # the budget a confirming run is for: over it, its peak moves the fit
+            runs[-1]["budget"] = budget_gib * GiB
         done.add(run_key(runs[-1]))
         save_runs(path, runs, machine)
         print(f"  -> {runs[-1]}", file=sys.stderr, flush=True)
@@ -182,8 +184,8 @@ def _measure_all(cases: list[Case], runs: list[dict], path: Path, machine: str, 
                     one(case, side, mode, ctx, "fit")
     for _ in range(CONFIRM_ROUNDS if confirm and train else 0):  # each round's peaks move the fits: again
         wanted = [w for w in confirmations(cases, runs, BUDGETS) if (w[0].label, *w[1:], "confirm") not in done]
-        for case, side, mode, ctx in wanted:
-            one(case, side, mode, ctx, "confirm")
+        for case, side, mode, ctx, gib in wanted:
+            one(case, side, mode, ctx, "confirm", gib)
         if not wanted:
             break
     return runs
