@@ -212,3 +212,6 @@ def test_a_confirming_run_over_the_budget_moves_the_fit():
     within = _run("hf", "lora", first["window"], "confirm", GiB - MiB) | {"budget": GiB}
     kept = next(r["hf"] for r in rows([case], [*fits, within], (1,), 2.0) if r["mode"] == "lora")
     assert kept["window"] == first["window"] and kept["confirmed"]  # a run within its budget leaves the fit
+    held = _run("hf", "lora", first["window"] + 50, "confirm", GiB - MiB) | {"budget": GiB}
+    longer = next(r["hf"] for r in rows([case], [*fits, over, held], (1,), 2.0) if r["mode"] == "lora")
+    assert longer["window"] == first["window"] + 50 and longer["confirmed"]  # a run held it: past any fit

@@ -147,15 +147,20 @@ def side_row(raw: float | None, budget: int, floor: int, cap: int, confirms: dic
 def raw_window(runs: list[dict], label: str, side: str, mode: str, budget: int) -> float | None:
     """The side's longest window within `budget`: Hugging Face's from the fit of its training phase's measured peaks
     (0 where loading the model alone peaks over the budget), remat's from its plans anchored on its measured peaks
-    (`anchored`)."""
+    (`anchored`); never below the longest window a measured run held within the budget (a run is the evidence
+    the fit stands in for)."""
     points = _points(runs, label, side, mode)
     if side != "hf":
         curve = anchored(_plans(runs, label, side, mode), points, borrowed_offset(runs, side, mode))
-        return None if curve is None else piecewise_longest(curve, budget)
-    coef = fit(points)
-    if coef is None:
-        return None
-    return 0.0 if _load_peak(runs, label, side, mode) > budget else longest(coef, budget)
+        found = None if curve is None else piecewise_longest(curve, budget)
+    else:
+        coef = fit(points)
+        found = None if coef is None else 0.0 if _load_peak(runs, label, side, mode) > budget else longest(coef,
+                                                                                                            budget)
+    held = [r["ctx"] for r in runs if (r["model"], r["side"], r["mode"]) == (label, side, mode)
+            and r["purpose"] in ("fit", "confirm") and r["peak_rss"]
+            and max(r["peak_rss"], r.get("load_peak_rss") or 0) <= budget]  # the whole process held it
+    return found if found is None else max([found, *held])
 
 
 def ratio(remat: dict, hf: dict) -> tuple[float | None, str]:
