@@ -176,14 +176,14 @@ def _measure_all(cases: list[Case], runs: list[dict], path: Path, machine: str, 
         for case in cases:
             if mode == "full" and not _fits_at_all(case, BUDGETS[-1]):
                 continue  # the weights and the optimizer's state alone exceed the largest budget
-            for side in sides(mode)[:-1]:
+            for side in (side for side in sides(mode) if side != "hf"):  # remat's sides plan
                 for ctx in case.plan_windows:
                     one(case, side, mode, ctx, "plan")
             for ctx in case.windows if train else ():
                 for side in sides(mode) if case.remat_trains else ("hf",):
                     one(case, side, mode, ctx, "fit")
     for _ in range(CONFIRM_ROUNDS if confirm and train else 0):  # each round's peaks move the fits: again
-        wanted = [w for w in confirmations(cases, runs, BUDGETS) if (w[0].label, *w[1:], "confirm") not in done]
+        wanted = [w for w in confirmations(cases, runs, BUDGETS) if (w[0].label, *w[1:4], "confirm") not in done]
         for case, side, mode, ctx, gib in wanted:
             one(case, side, mode, ctx, "confirm", gib)
         if not wanted:
