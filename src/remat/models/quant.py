@@ -191,8 +191,8 @@ def dequantize(blocks: torch.Tensor, qtype: int, shape: Sequence[int], dtype: to
         raise ValueError(f"{blocks.dtype} blocks of {blocks.numel()} bytes do not hold a {Q(qtype).name} "
                          f"tensor of shape {list(shape)}")
     rows, kernel = blocks.reshape(-1, size), _KERNELS[qtype]
-    if dtype == torch.float32:
-        return kernel(rows).reshape(shape)
+    if dtype == torch.float32 or rows.device.type != "cpu":  # pieces are for a CPU's cache
+        return kernel(rows).reshape(shape).to(dtype)
     out = rows.new_empty((len(rows), gguf.GGML_QUANT_SIZES[Q(qtype)][0]), dtype=dtype)
     step = max(1, PIECE // out.shape[1])
     for i in range(0, len(rows), step):
