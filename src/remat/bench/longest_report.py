@@ -344,9 +344,11 @@ METHOD = ("Hugging Face + PEFT: one training step at each of a few short windows
           "token on SmolLM2) is below the noise of a peak measured at short windows: the plans give the slope, the "
           "runs the level. qwen2.5-coder-1.5b is a plan-only preset in remat (`remat finetune` does not build it): "
           "its remat rows are plans plus the gap measured on SmolLM2 (the same side), marked \"plan only\". "
-          "\"confirmed\": one step run at the window found, its peak within the budget; \"fit only\": no run there "
-          "(longer than this machine has). Weights do not fit: the frozen weights (LoRA: float32, or the blocks' "
-          "bytes) or weights + grads + AdamW's two moments (full, 4 × 4 bytes a weight) alone exceed the budget. "
+          "\"confirmed\": one step run at the window found, its peak within the budget (a run over the budget it "
+          "was run for joins the fit, and the window the fit then gives is run again; a side's window is never "
+          "below one a run held within the budget); \"fit only\": no run there (longer than this machine has). "
+          "Weights do not fit: the frozen weights (LoRA: float32, or the blocks' bytes) or weights + grads + AdamW's "
+          "two moments (full, 4 × 4 bytes a weight) alone exceed the budget. "
           "Capped: the window found is past the model's maximum context (`max_position_embeddings`).")
 
 
