@@ -21,13 +21,13 @@ import sys
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from transformers import AttentionInterface, masking_utils
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, causal_mask_function, eager_mask, sdpa_mask
 
 from remat.core import attention
+from remat.core.cross_entropy import cross_entropy
 from remat.core.marks import LAYER_MARK, mark
 
 ATTENTION = "remat"
@@ -237,8 +237,8 @@ def model_loss(model: nn.Module, labels: torch.Tensor, loss_chunk: int = 0, n_ta
             out = lm(**forward)
             if i == 0:
                 aux = getattr(out, "aux_loss", None)
-            ce = F.cross_entropy(_at_least_fp32(out.logits.flatten(0, 1)), labels[:, once.piece].flatten(),
-                                 ignore_index=-100, reduction="sum" if (step < n or n_targets is not None) else "mean")
+            ce = cross_entropy(out.logits.flatten(0, 1), labels[:, once.piece].flatten(),
+                               reduction="sum" if (step < n or n_targets is not None) else "mean")
             total = total + ce
     finally:
         parent._modules[name] = once.decoder
@@ -248,11 +248,6 @@ def model_loss(model: nn.Module, labels: torch.Tensor, loss_chunk: int = 0, n_ta
         total = total + lm.router_aux_loss_coef * aux
     assert isinstance(total, torch.Tensor)  # at least one piece: n >= 1
     return total
-
-
-def _at_least_fp32(logits: torch.Tensor) -> torch.Tensor:
-    """The loss in fp32 for half-precision logits (as transformers' own loss does), in fp64 for an fp64 model."""
-    return logits.to(torch.promote_types(logits.dtype, torch.float32))
 
 
 class _Mark:
