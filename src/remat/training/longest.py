@@ -94,9 +94,10 @@ def longest(s: TrainSettings, budget: gate.Budget, planners: gate.Planners, worl
 
 def _path(s: TrainSettings, path: str, step: int, limit: int, budget: gate.Budget, planners: gate.Planners,
           world_size: int, turn: Turn) -> Longest:
-    """One path's answer. The probes' graphs are kept until it is found (the gate plans the window found again,
-    with the policies the search did not need: from the same small trace), then dropped (other planning between
-    probes may drop them sooner: what it needs again is traced again, the plans kept)."""
+    """One path's answer. Of the probes' graphs only the longest fitting window's are kept until it is found (the
+    gate plans the window found again, with the policies the search did not need: from the same small trace), then
+    dropped (other planning between probes may drop them sooner: what it needs again is traced again, the plans
+    kept). qwen3.5-0.8b's window near 80k tokens is a graph of ~10^5 nodes: all the probes' held 6.9 GB."""
     try:
         return _search_path(s, path, step, limit, budget, planners, world_size, turn)
     finally:
@@ -117,9 +118,10 @@ def _search_path(s: TrainSettings, path: str, step: int, limit: int, budget: gat
 
     lead = allowed[0]  # the policy the search plans: the smallest at the last window planned under every one
     fixed = 0  # what no window changes (the weights and the optimizer's state): the search's first guess leaves it
+    fits: tuple[int, StepShape | None] = (0, None)  # the longest window planned within the budget, and its shape
 
     def smallest(ctx: int, policies: tuple[str, ...] = allowed) -> int:
-        nonlocal lead, fixed
+        nonlocal lead, fixed, fits
         t = at(ctx)
         if t.optimizer_in_backward == "auto":  # the job as small as it runs: in the backward where only so it fits
             t = t.model_copy(update={"optimizer_in_backward": "on"})
@@ -127,6 +129,10 @@ def _search_path(s: TrainSettings, path: str, step: int, limit: int, budget: gat
             plans = planners.planner(t, budget).plans(StepShape.of(t), policies, world_size)
         best = min(plans, key=lambda k: plans[k].total)
         answer.probes[ctx] = min(answer.probes.get(ctx, plans[best].total), plans[best].total)
+        if answer.probes[ctx] <= budget.bytes and ctx >= fits[0]:
+            fits = ctx, StepShape.of(t)
+        with turn():  # one probe's graphs at a time, and the longest fitting window's (the answer's, at the end)
+            planners.forget_graphs(but=fits[1])
         if policies == allowed:
             lead = best
             fixed = plans[best].params + plans[best].frozen + plans[best].optimizer
@@ -136,10 +142,13 @@ def _search_path(s: TrainSettings, path: str, step: int, limit: int, budget: gat
     # found (or the first, where none was) is planned under every policy allowed, and where one fits there the
     # search goes on from it, led by that one.
     found, start = None, min(START, answer.limit) // step * step
+    # where a window's plan jumps: one token past a whole number of loss pieces (a walk chunk's pieces are fixed)
+    pieces = 0 if path == "walk" else at(start).loss_chunk or 0
     try:
         smallest(start)
         while True:
-            more = search(lambda ctx: smallest(ctx, (lead,)), budget.bytes, step, answer.limit, start, fixed)
+            more = search(lambda ctx: smallest(ctx, (lead,)), budget.bytes, step, answer.limit, start, fixed,
+                          period=pieces)
             found = more or found
             if more == answer.limit or smallest(step if more is None else more + step) > budget.bytes:
                 break
@@ -164,12 +173,15 @@ def _allowed(recompute: str) -> tuple[str, ...]:
     return (policy_name(recompute),)
 
 
-def search(total: Callable[[int], int], budget: int, step: int, limit: int, start: int, fixed: int = 0) -> int | None:
+def search(total: Callable[[int], int], budget: int, step: int, limit: int, start: int, fixed: int = 0,
+           period: int = 0) -> int | None:
     """The largest multiple of `step` in [step, limit] whose `total` is within `budget`, plans growing with the
     window (None: not even `step`). The second probe is the first's window in proportion to the budget (of what
     grows with the window: all but `fixed`); then each goes where a line through two probes meets it, or the
     quadratic through three (`_line`), kept inside the bracket; where two probes did not halve the bracket, a
-    bisection. Mostly three to six probes."""
+    bisection. Mostly three to six probes. `period`: where the plan jumps, it jumps after a multiple of it (a
+    window one token past a multiple of the loss chunk has one more piece), so once it is seen to jump the search
+    bisects over those windows first, then within the one stretch left, where the plan is a line (`_across`)."""
     seen: dict[int, int] = {}
 
     def probe(ctx: int) -> int:
@@ -180,6 +192,7 @@ def search(total: Callable[[int], int], budget: int, step: int, limit: int, star
     lo, hi = 0, limit + step  # lo fits (0: none yet), hi does not (past the limit: none yet)
     ctx, widths = max(step, start), list[int]()  # the bracket's widths, once it has both ends
     edge = jumps = False  # the last probe was the line's, held at the bracket's edge; twice so: the plan jumps
+    crossed: set[int] = set()  # where it jumps: the windows a line within one stretch named (`_across`)
     while True:
         if probe(ctx) <= budget:
             lo = ctx
@@ -192,8 +205,32 @@ def search(total: Callable[[int], int], budget: int, step: int, limit: int, star
         stalled = len(widths) > 2 and widths[-1] > widths[-3] // 2 and line not in (lo + step, hi - step)
         jumps = jumps or (edge and line in (lo + step, hi - step))
         # two probes did not halve the bracket, or the plan jumps (no line holds between its steps): bisect
-        ctx = (lo + hi) // 2 // step * step if stalled or jumps else line
+        ctx = _across(seen, lo, hi, step, period, budget, crossed) if jumps else \
+            (lo + hi) // 2 // step * step if stalled else line
         edge = ctx == line and line in (lo + step, hi - step)
+
+
+def _across(seen: dict[int, int], lo: int, hi: int, step: int, period: int, budget: int, crossed: set[int]) -> int:
+    """The next probe of a plan that jumps after multiples of `period` (none given: the bracket's middle): the
+    multiple inside the bracket nearest its middle; with none inside, the window after `lo` where `lo` is one (the
+    first of a stretch), else where the line through `lo` and `hi` (one stretch) meets the budget, then the window
+    beside the line's on the side of the answer (`crossed`: the line's windows; after two, the middle)."""
+    middle = (lo + hi) // 2 // step * step
+    if not period or not lo or hi not in seen or period % step or step % period == 0:
+        return middle
+    inside = range((lo // period + 1) * period, hi, period)
+    if inside:
+        return min(inside, key=lambda b: abs(b - middle))
+    if lo % period == 0:
+        return lo + step
+    if lo in crossed or hi in crossed:  # the line's window fit (is the next one over?), or did not
+        return lo + step if lo in crossed else hi - step
+    if len(crossed) >= 2:  # not a line after all
+        return middle
+    cross = lo + (budget - seen[lo]) * (hi - lo) // max(1, seen[hi] - seen[lo])
+    cross = min(max(cross // step * step, lo + step), hi - step)
+    crossed.add(cross)
+    return cross
 
 
 def _line(seen: dict[int, int], budget: int, step: int, limit: int, fixed: int = 0) -> int:

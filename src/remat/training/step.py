@@ -146,15 +146,18 @@ class Planner:
         self.stored = any(stored.stored(model))  # quant: weights held as stored, made float in the step
 
     def _at(self, shape: StepShape) -> _Step:
-        """The step of this shape, keyed by the shape and the names of the parameters it trains (worked out once
-        per call: a walk over every module)."""
+        """The step of this shape (`_key`: worked out once per call, a walk over every module)."""
+        trainable = [(n, p) for n, p in self.model.named_parameters() if p.requires_grad]
+        shape, key = self._key(shape, [n for n, _ in trainable])
+        return _Step(shape, self._shapes.setdefault(key, _Shape()), [p.numel() for _, p in trainable], self.device)
+
+    def _key(self, shape: StepShape, trainable: list[str]) -> tuple[StepShape, tuple]:
+        """The shape with its loss chunk settled, and what its step is kept by: that shape (the optimizer's place
+        changes the plan, not the trace) and the names of the parameters it trains."""
         if shape.loss_chunk is None:
             shape = dataclasses.replace(shape, loss_chunk=loss_chunk_for(causal_lm(self.model).config,
                                                                          walk=shape.path == "walk"))
-        trainable = [(n, p) for n, p in self.model.named_parameters() if p.requires_grad]
-        traced = dataclasses.replace(shape, updates=False)  # the optimizer's place changes the plan, not the trace
-        kept = self._shapes.setdefault((traced, tuple(n for n, _ in trainable)), _Shape())
-        return _Step(shape, kept, [p.numel() for _, p in trainable], self.device)
+        return shape, (dataclasses.replace(shape, updates=False), tuple(trainable))
 
     @collector.paused
     def build(self, shape: StepShape, policy: str | bool) -> TrainGraph:
@@ -191,12 +194,16 @@ class Planner:
             at.kept.rewriter = Rewriter(self._traced_step(at))
         return at.kept.rewriter
 
-    def forget_graphs(self) -> None:
+    def forget_graphs(self, but: StepShape | None = None) -> None:
         """Drop the traced steps and keep their plans: a shape asked again is answered from them, and one whose
         graph is needed again (a budget search, a policy not planned yet) is traced again. A server plans each new
         shape a client asks for: kept, every one's graphs (tens of MiB, ~10^5 objects each) would stay, and every
-        full collection would walk them."""
-        for kept in self._shapes.values():
+        full collection would walk them. `but`: the graphs of this shape are kept."""
+        trainable = [n for n, p in self.model.named_parameters() if p.requires_grad]
+        keep = None if but is None else self._key(but, trainable)[1]
+        for key, kept in self._shapes.items():
+            if key == keep:
+                continue
             kept.graphs.clear()
             kept.rewriter, kept.stamper, kept.stamped = None, None, False
 
