@@ -17,7 +17,7 @@ from pydantic import ValidationError
 
 from planning import plan_settings, planner_of
 from remat.base.settings import TrainSettings, UsageError
-from remat.core import policies, precision
+from remat.core import alias, policies, precision
 from remat.core.graph import StepInputs
 from remat.core.plan import measure, plan
 from remat.core.recompute import LAYER, Rewriter, rewrite
@@ -215,6 +215,31 @@ def test_weights_are_cast_where_read_and_no_cast_is_saved(get_case):
     assert all(precision.never_saved(n) for n in casts)
 
 
+@pytest.mark.parametrize("name", ["tiny-llama", "tiny-qwen35"])
+def test_a_recomputed_cast_of_a_weight_is_made_again_for_each_backward_reader(get_case, name):
+    """The head's weight is read by every loss piece's forward; recomputed for the backward, its cast is made
+    again for each piece's logits, not once for all the pieces (it would live across every piece's backward,
+    beside each piece's own cast: qwen3.5-0.8b in bfloat16 at ctx 512, 485 MiB of its 1,013 MiB graph). Outputs
+    bitwise the trace's, and the plan the step's measured memory."""
+    case = get_case(name)
+    tg = window_step(case.model, case.ids, case.labels, loss_chunk=case.ids.shape[1] // 4, dtype=BF16)
+    rt = rewrite(tg)
+    nodes = list(rt.gm.graph.nodes)
+    end = nodes.index(rt.boundary)
+    casts = [n for n in nodes[end + 1:] if n.target is precision.CAST and n.args[0].op == "placeholder"]
+    assert any(n.meta.get("remat_clone_of") for n in casts)  # the rewrite made some: the head's, per piece
+
+    def readers(n):  # through views made of it alone (a weight's transpose)
+        views = [u for u in n.users if alias.view_source(u) is n and u.all_input_nodes == [n]]
+        return [u for u in n.users if u not in views] + [r for v in views for r in readers(v)]
+
+    assert all(len(readers(n)) == 1 for n in casts), [(n.name, readers(n)) for n in casts if len(readers(n)) > 1]
+    out, _ = measure(tg, case.args())
+    out_rt, measured_rt = measure(rt, case.args())
+    assert all(torch.equal(a, b) for a, b in zip(out, out_rt, strict=True))
+    assert plan(rt).step == measured_rt.step, (plan(rt).step, measured_rt.step)
+
+
 # --------------------------------------------------------------------------------------------------
 # training in bfloat16: recompute on == off, bitwise, on the window and the exact walk, LoRA and full
 
@@ -256,13 +281,14 @@ def test_the_receipt_of_a_float32_run_says_so():
 
 def test_bf16_does_not_plan_more_than_float32_with_many_loss_pieces():
     """qwen3.5-0.8b at ctx 4,096 (128 loss pieces of 32 tokens), LoRA, recompute on: the bfloat16 step's graph is
-    below float32's (1,204 MiB against 1,576). A loss that saved a value of the forward's cross-entropy for its
-    backward had the rewrite make that node again there, keeping every piece's float32 log-probabilities until
-    then (5,046 MiB). Not at short windows: there two bfloat16 casts of the tied 248,320 x 1,024 head (485 MiB
-    each) outweigh the activations (ctx 1,024: 1,040 MiB against float32's 396)."""
+    below float32's (1,135 MiB against 1,576; 1,204 while the recompute made the head's cast once for every piece).
+    A loss that saved a value of the forward's cross-entropy for its backward had the rewrite make that node again
+    there, keeping every piece's float32 log-probabilities until then (5,046 MiB). Not at short windows: there the
+    bfloat16 cast of the tied 248,320 x 1,024 head (485 MiB) outweighs the activations (ctx 1,024: 635 MiB against
+    float32's 396)."""
     graphs = {dtype: plan_settings(TrainSettings(model="qwen3.5-0.8b", ctx=4096, dtype=dtype), ("on",))["on"].graph
               for dtype in ("float32", "bfloat16")}
-    assert graphs["bfloat16"] < graphs["float32"], {k: v / 2**20 for k, v in graphs.items()}
+    assert graphs["bfloat16"] < 0.75 * graphs["float32"], {k: v / 2**20 for k, v in graphs.items()}
 
 
 def test_bf16_halves_smollm2s_graph():

@@ -152,10 +152,20 @@ class _DecoderOnce(nn.Module):
         first = self.output is None
         if first:
             self.output = self.decoder(*args, **kwargs)
-        out = dataclasses.replace(self.output, last_hidden_state=self.output.last_hidden_state[:, self.piece])
+        out = dataclasses.replace(self.output, last_hidden_state=_cut(self.output.last_hidden_state, self.piece))
         if not first and getattr(out, "router_logits", None) is not None:
             out.router_logits = None  # the router's aux loss once, with the first piece
         return out
+
+
+def _cut(hidden: torch.Tensor, piece: slice) -> torch.Tensor:
+    """The hidden states of one piece, laid out as a tensor of their own. A slice keeps the window's stride
+    between batch rows, and `matmul` then runs the head as a batched product (`bmm`, the weight transposed) rather
+    than folding it into one `mm`, as it does for the whole window: the same values, bitwise, but on a CPU in
+    bfloat16 2.5x (SmolLM2's head, 256 tokens) to 25x (qwen3.5-0.8b's, 32 tokens: 2.0 s against 0.08) the time."""
+    if piece == slice(None):
+        return hidden
+    return hidden[:, piece].clone(memory_format=torch.contiguous_format)  # a slice of one row is "contiguous"
 
 
 def decoder_of(model: nn.Module) -> Any:
