@@ -92,7 +92,7 @@ def test_each_loss_piece_runs_the_head_as_one_matrix_product(make_case, batch, d
     """A piece's hidden states are copied out of the window before the head reads them (`hf._cut`). Sliced, they
     keep the window's stride between batch rows, and `matmul` ran the head as a batched product of the transposed
     weight instead of one `mm`: the same values, but in bfloat16 on a CPU ~25x the time (qwen3.5-0.8b's head,
-    32 tokens: 2.0 s against 0.08; a one-layer model of its vocabulary, 8 pieces: 34 s a step against 7)."""
+    32 tokens: 2.0 s against 0.08; a one-layer model of its vocabulary, 8 pieces: 33-37 s a step against 4-5)."""
     case = make_case("tiny-llama")
     for name, p in case.model.named_parameters():  # a frozen head, as with LoRA (a trained one's product folds)
         p.requires_grad_(".layers." in name)

@@ -13,10 +13,10 @@ Rules (docs/architecture.md, "The rewrite"), all in this file:
    consumer go in their original forward order. Clones are memoised per region (`regions`: a
    node's layer, the first layer mark after it; a mark belongs to the layer that reads it): a
    backward node reads the clones of the latest region it reads, a clone those of its own
-   region; a weight's cast alone is made again for each backward node needing it. A non-kept
-   layer mark (every:K) is cloned once, for its own region: a second-level checkpoint. So a
-   layer's internals are recomputed transiently to make the mark above them, and again, from
-   the mark below, for their own backward (Chen et al.'s sqrt(n) scheme).
+   region; a weight's cast alone is made again for each backward node needing it (`_same_cast`).
+   A non-kept layer mark (every:K) is cloned once, for its own region: a second-level checkpoint.
+   So a layer's internals are recomputed transiently to make the mark above them, and again,
+   from the mark below, for their own backward (Chen et al.'s sqrt(n) scheme).
 4. outputs untouched: the same values, bitwise.
 """
 
@@ -115,10 +115,12 @@ class Rewriter:
         self.values: dict[tuple, tuple[list, object]] = {}  # (what, input value ids) -> (inputs, value)
         self.storages = functools.cache(sized_storages)  # each original's, for plans made without a graph
         self.templates: dict = {}  # `plan.Storages._template`s, shared by those plans
-        # A weight's cast (and its views) is made again for each backward node that reads it, as `casts_where_read`
-        # makes the backward's own: kept for the region, a tied head's cast would live across every loss piece's
-        # backward beside each piece's own (qwen3.5-0.8b in bfloat16: 485 MiB, half the graph's peak at ctx 512).
+        # A weight's cast (and its views) is made again for each backward node that reads it (and serves that
+        # node's backward reading its own cast: `_same_cast`): kept for the region, a tied head's cast would live
+        # across every loss piece's backward beside each piece's own (qwen3.5-0.8b in bfloat16 at ctx 512: 485 MiB,
+        # half the graph's peak).
         self.casts = {n for n in self.forward if _weight_cast(n)}
+        self.pos = {n: i for i, n in enumerate(tg.graph.nodes)}
 
     def __call__(self, policy: Policy = LAYER, kept: dict[fx.Node, str] | None = None) -> TrainGraph:
         """The step rewritten under `policy`; `kept`, when given, is its `keep_reasons`."""
@@ -149,6 +151,7 @@ class Rewriter:
         clones: dict[Key, Any] = {}  # the clone a backward node of that region reads
         every: list[tuple[Key, int, Any]] = []
         again: Counter = Counter()
+        last_cast: dict[fx.Node, tuple[fx.Node, Any, fx.Node]] = {}  # weight -> its cast, the clone, made for
 
         for n in self.forward:
             env[n] = made.copy(n, env.__getitem__)
@@ -183,10 +186,39 @@ class Rewriter:
                 clones[m, mr] = made.clone(m, functools.partial(value, r=mr), self._layer(mr))
                 every.append(((m, mr), again[m, mr], clones[m, mr]))
                 again[m, mr] += 1
-            env[n] = made.copy(n, functools.partial(read, r=r))
+            env[n] = self._same_cast(n, last_cast) or made.copy(n, functools.partial(read, r=r))
             for key in [k for k in todo if k[0] in casts]:
+                weight = key[0].args[0]
+                if key[0].target is CAST and isinstance(weight, fx.Node):
+                    last_cast[weight] = (key[0], clones[key], n)
                 del clones[key]
         return env, every
+
+    def _same_cast(self, n: fx.Node, last_cast: dict[fx.Node, tuple[fx.Node, Any, fx.Node]]) -> Any:
+        """The clone of the weight's cast that the backward's own cast `n` (`precision.casts_where_read`) can be,
+        or None: the same op, made for a backward node whose value flows into each of `n`'s readers. So a loss
+        piece casts the head's weight once, for its logits' recompute and the product its backward reads it in
+        (a cast of qwen3.5-0.8b's head is 0.23 s), and the cast does not live on into the next piece."""
+        weight = n.args[0] if n.target is CAST else None
+        if not isinstance(weight, fx.Node) or weight not in last_cast:
+            return None
+        cast, clone, made_for = last_cast[weight]
+        if (n.args, n.kwargs) != (cast.args, cast.kwargs):
+            return None
+        readers = [r for chain in _view_chains(n) for r in chain[-1].users if r not in _views_of(chain[-1])]
+        return clone if readers and all(self._reaches(made_for, r) for r in readers) else None
+
+    def _reaches(self, a: fx.Node, b: fx.Node) -> bool:
+        """Whether `b` reads what `a` makes, through the graph."""
+        pos, stack, seen = self.pos, [a], {a}
+        while stack:
+            for u in stack.pop().users:
+                if u is b:
+                    return True
+                if u not in seen and pos[u] < pos[b]:
+                    seen.add(u)
+                    stack.append(u)
+        return False
 
     def _layer(self, r: int) -> int | None:
         """The layer whose backward reads region r's clones: the one its mark ends (None: the head)."""
@@ -230,6 +262,21 @@ def _weight_cast(n: fx.Node) -> bool:
             return False
         n = source
     return isinstance(n.args[0], fx.Node) and n.args[0].op == "placeholder"
+
+
+def _views_of(n: fx.Node) -> list[fx.Node]:
+    """The views made of `n` alone."""
+    return [u for u in n.users if alias.view_source(u) is n and u.all_input_nodes == [n]]
+
+
+def _view_chains(n: fx.Node) -> list[list[fx.Node]]:
+    """`n`, and each chain of views made of it alone."""
+    chains, stack = [], [[n]]
+    while stack:
+        chain = stack.pop()
+        chains.append(chain)
+        stack.extend([*chain, v] for v in _views_of(chain[-1]))
+    return chains
 
 
 def _fresh(graph: fx.Graph, clones: set[fx.Node]) -> list[fx.Node]:
