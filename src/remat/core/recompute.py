@@ -186,7 +186,8 @@ class Rewriter:
                 clones[m, mr] = made.clone(m, functools.partial(value, r=mr), self._layer(mr))
                 every.append(((m, mr), again[m, mr], clones[m, mr]))
                 again[m, mr] += 1
-            env[n] = self._same_cast(n, last_cast) or made.copy(n, functools.partial(read, r=r))
+            same = self._same_cast(n, last_cast)
+            env[n] = made.copy(n, functools.partial(read, r=r)) if same is None else same
             for key in [k for k in todo if k[0] in casts]:
                 weight = key[0].args[0]
                 if key[0].target is CAST and isinstance(weight, fx.Node):
