@@ -40,7 +40,7 @@ NATIVE_BF16 = ("avx512_bf16", "amx_bf16")
 CAST = torch.ops.aten._to_copy.default
 SOFTMAX = frozenset({torch.ops.aten._log_softmax.default, torch.ops.aten._softmax.default})
 
-__all__ = ["CAST", "DTYPES", "Precision", "casts_where_read", "never_saved", "resolve"]
+__all__ = ["CAST", "DTYPES", "Precision", "backward_reads", "casts_where_read", "never_saved", "resolve"]
 
 
 @dataclass(frozen=True)
@@ -134,7 +134,7 @@ def casts_where_read(tg: TrainGraph) -> int:
     casts = [n for n in graph.nodes
              if n.target is CAST and isinstance(n.args[0], fx.Node) and n.args[0].op == "placeholder" and n.users]
     for n in casts:
-        for made, reader in _backward_reads(n, pos, end):
+        for made, reader in backward_reads(n, pos, end):
             with graph.inserting_before(reader):
                 own = _made_again(graph, made)
             reader.replace_input_with(made[-1], own)
@@ -155,7 +155,7 @@ def casts_where_read(tg: TrainGraph) -> int:
     return changed
 
 
-def _backward_reads(cast: fx.Node, pos: dict[fx.Node, int], end: int) -> list[tuple[list[fx.Node], fx.Node]]:
+def backward_reads(cast: fx.Node, pos: dict[fx.Node, int], end: int) -> list[tuple[list[fx.Node], fx.Node]]:
     """Each backward node reading `cast` or a view made of it alone (a transpose, the forward's or the
     backward's own), with the chain that makes what it reads: the cast, then the views. A view's value shares
     its input's storage, so the backward's views are made again with the cast, not kept reading the old one."""

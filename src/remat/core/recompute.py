@@ -39,7 +39,7 @@ from remat.core.graph import TrainGraph, copy_node, interpret
 from remat.core.marks import mark_name
 from remat.core.plan import Plan, Storages, plan, sized_storages
 from remat.core.policies import Policy, always_recomputed, layer_index, layer_marks
-from remat.core.precision import CAST
+from remat.core.precision import CAST, backward_reads
 
 CLONE_OF = "remat_clone_of"  # node.meta key: the original a clone recomputes
 CLONE_FOR = "remat_clone_for"  # node.meta key: the layer whose backward reads a clone (None: the head's)
@@ -206,7 +206,7 @@ class Rewriter:
         cast, clone, made_for = last_cast[weight]
         if (n.args, n.kwargs) != (cast.args, cast.kwargs):
             return None
-        readers = [r for chain in _view_chains(n) for r in chain[-1].users if r not in _views_of(chain[-1])]
+        readers = [r for _, r in backward_reads(n, self.pos, self.pos[self.tg.boundary])]
         return clone if readers and all(self._reaches(made_for, r) for r in readers) else None
 
     def _reaches(self, a: fx.Node, b: fx.Node) -> bool:
@@ -263,21 +263,6 @@ def _weight_cast(n: fx.Node) -> bool:
             return False
         n = source
     return isinstance(n.args[0], fx.Node) and n.args[0].op == "placeholder"
-
-
-def _views_of(n: fx.Node) -> list[fx.Node]:
-    """The views made of `n` alone."""
-    return [u for u in n.users if alias.view_source(u) is n and u.all_input_nodes == [n]]
-
-
-def _view_chains(n: fx.Node) -> list[list[fx.Node]]:
-    """`n`, and each chain of views made of it alone."""
-    chains, stack = [], [[n]]
-    while stack:
-        chain = stack.pop()
-        chains.append(chain)
-        stack.extend([*chain, v] for v in _views_of(chain[-1]))
-    return chains
 
 
 def _fresh(graph: fx.Graph, clones: set[fx.Node]) -> list[fx.Node]:
