@@ -10,9 +10,10 @@ autograd would have, constants folded where make_fx folds them; each node's `met
 was then, as make_fx's `val`, but a meta tensor on the value's storage (`_snapshot`), not a fake copy (and
 no `tensor_meta`, which nothing here reads).
 
-`tests/test_record.py` holds it to make_fx node for node (op, target, arguments, layouts, storages) on
-every family of the conformance matrix; a step the recorder cannot follow raises `Unrecordable` and is
-traced by make_fx.
+`tests/test_stamp.py` holds it to make_fx node for node (op, target, arguments, layouts, storages) on
+every family of the conformance matrix (the small trace recorded and stamped, as the planner does, against
+make_fx's whole trace), `tests/test_record.py` on the walk's chunk steps; a step the recorder cannot follow
+raises `Unrecordable` and is traced by make_fx.
 """
 
 from __future__ import annotations
