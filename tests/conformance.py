@@ -22,6 +22,7 @@ the folder, then the weights), losses bitwise the same run's on the model in mem
 from __future__ import annotations
 
 import functools
+import gc
 import pathlib
 import sys
 import tempfile
@@ -346,12 +347,19 @@ def check(name: str) -> Report:
     trained from a saved folder."""
     from remat.core.graph import StepInputs
     from remat.core.plan import measure, plan
+    from remat.core.process import keep_for_good
     from remat.core.recompute import LAYER, Rewriter, verify
     from remat.models import adapters, steps
     from remat.models import load as models
     from remat.models.steps import window_step
     from remat.training import walk
 
+    # The families checked before left garbage and what lives on (torch's fake-kernel cache grows by thousands of
+    # entries a family): collected once, the rest moved out of the collector's way, as `remat finetune` keeps its
+    # imports. Each in-process `finetune` (the folder check) collects three times (`process.trim_heap`), and those
+    # walked every family's leftovers: 0.24 s each, 92 s over the matrix.
+    gc.collect()
+    keep_for_good()
     report = Report(name)
     ids, labels = batch()
     own = reference(name)

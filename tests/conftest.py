@@ -85,16 +85,25 @@ def new_case(name: str, *, num_layers: int | None = None, prepare=None) -> Case:
 
 # The modules that take longest, longest first (seconds on two idle cores, `--durations=0`, summed per module):
 # `make test` hands whole modules to its two workers in this order (`--no-loadscope-reorder`), so a long one
-# does not start last while the other worker idles. conformance 650, cli 450, stamp 440, server_openapi 250,
-# train_lora 110, record 105, distributed 80, precision 75, quant_cli 70, stored 70, packed 70, jobs 65.
-SLOWEST = ("test_conformance", "test_cli", "test_stamp", "test_server_openapi", "test_train_lora", "test_record",
-           "test_distributed", "test_precision", "test_quant_cli", "test_stored", "test_packed", "test_jobs")
+# does not start last while the other worker idles. conformance 630, stamp 470, cli 460, server_openapi 190,
+# train_lora 95, precision 90, quant_cli 85, models 80, distributed 70, longest 70, shared_blocks 65, serve 60.
+SLOWEST = ("test_conformance", "test_stamp", "test_cli", "test_server_openapi", "test_train_lora", "test_precision",
+           "test_quant_cli", "test_models", "test_distributed", "test_longest", "test_shared_blocks", "test_serve")
 
 
 def pytest_collection_finish(session):
     """What collecting imported (every family of transformers, for the conformance matrix) stays for the session:
     the collector's full collections (`process.trim_heap`, each in-process `finetune` makes three) walked it again,
     0.35 s each. Collected first: the families' tiny models built and run while collecting are garbage."""
+    gc.collect()
+    keep_for_good()
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _leftovers_frozen():
+    """Likewise at each module's start: what the modules before left is collected once and what lives on frozen,
+    so a module's own full collections walk only what it makes (torch's fake-kernel cache alone grows by thousands
+    of entries a traced model)."""
     gc.collect()
     keep_for_good()
 
