@@ -137,6 +137,38 @@ def test_cancel_while_yielding_and_while_queued(tmp_path):
         m.close()
 
 
+def test_a_full_queue_refuses_one_more_job_with_429_and_stores_nothing(tmp_path):
+    """`--max-queued-jobs 1`: with one job training (held back by a decoding request) and one waiting, a new job
+    and a resumed one are refused, after their own checks (a bad field is still 400), and nothing is stored;
+    once the waiting one is cancelled, both are taken."""
+    scheduler = Scheduler(0)  # training never overlaps decoding
+    m = new_manager(tmp_path, scheduler=scheduler, max_queued=1)
+    try:
+        scheduler.decode_begin()
+        a = m.submit({**SMALL, "steps": 3})
+        wait_for(m, a["id"], "started")
+        b = m.submit({**SMALL, "steps": 3})
+        assert b["status"] == "queued"
+        with pytest.raises(ApiError) as e:
+            m.submit({**SMALL, "steps": 2})
+        assert (e.value.status, e.value.code) == (429, "queue_full") and "--max-queued-jobs" in e.value.message
+        with pytest.raises(ApiError) as e:
+            m.submit({**SMALL, "steps": 0})
+        assert e.value.status == 400  # what is wrong with the request itself comes first
+        assert [j["id"] for j in m.list()] == [a["id"], b["id"]]
+        assert m.cancel(b["id"], wait=0)["status"] == "cancelled"
+        c = m.submit({**SMALL, "steps": 1, "name": "c"})
+        assert c["status"] == "queued"
+        with pytest.raises(ApiError) as e:
+            m.resume(b["id"])  # cancelled, resumable: but the queue is full again
+        assert (e.value.status, e.value.code) == (429, "queue_full")
+        assert m.get(b["id"])["status"] == "cancelled"
+        assert [j["id"] for j in m.list()] == [a["id"], b["id"], c["id"]]
+    finally:
+        scheduler.decode_end()
+        m.close()
+
+
 def test_resuming_a_job_while_another_trains(tmp_path, monkeypatch):
     """The gate plans a resumed job again while another job trains: the planner waits for the trainer's
     chunk, and the trainer records its step meanwhile. Here the trainer, holding the device, records a step

@@ -246,6 +246,9 @@ class ServeSettings(BaseModel):
     memory_budget: MemorySize | None = Field(None, description="memory for training jobs, e.g. 2GiB "
                                              "(default: free memory)")
     state_dir: str = Field("remat-state", description="folder for jobs, their events and adapters")
+    max_queued_jobs: int = Field(16, ge=1, le=1_000_000, description="training jobs that may wait their turn; "
+                                 "one more (a new job, or a resumed one) is refused with 429 until one starts or "
+                                 "is cancelled")
     max_body: int = Field(64 << 20, ge=1, description="largest request body in bytes")
     body_timeout: float = Field(10.0, gt=0, allow_inf_nan=False,
                                 description="seconds a request body may pause before the server answers 408")

@@ -60,7 +60,7 @@ def create_app(*, model: str | None = None, parallel: int = SERVE["parallel"], a
                state_dir: str | Path = SERVE["state_dir"], max_body: int = SERVE["max_body"], n_ctx: int | None = None,
                on_load_error=None, body_timeout: float = BODY_TIMEOUT, device: str = "cpu",
                weights: str = SERVE["weights"], compile: bool = SERVE["compile"],
-               n_predict: int = SERVE["n_predict"]) -> FastAPI:
+               n_predict: int = SERVE["n_predict"], max_queued_jobs: int = SERVE["max_queued_jobs"]) -> FastAPI:
     """The FastAPI app; the options are `remat serve`'s. `model`: a spec for `load_model` (None: the embedded
     default), decoding on `device` (resolved: `cpu`, `cuda:0`), where jobs train unless they say. The model loads
     in a background thread when the app starts (lifespan): /health answers 503 until it is ready.
@@ -72,7 +72,7 @@ def create_app(*, model: str | None = None, parallel: int = SERVE["parallel"], a
     app.state.server = Server(model=model, parallel=parallel, max_slowdown_ppm=max_slowdown_ppm,
                               memory_budget=memory_budget, state_dir=Path(state_dir), n_ctx=n_ctx,
                               on_load_error=on_load_error, device=device, weights=weights,
-                              compile=compile, n_predict=n_predict)
+                              compile=compile, n_predict=n_predict, max_queued_jobs=max_queued_jobs)
     app.add_middleware(BodyLimitMiddleware, limit=max_body, timeout=body_timeout)
     app.add_middleware(ApiKeyMiddleware, keys=list(api_keys or []))
     app.add_middleware(HeadMiddleware)  # added last: runs first (a HEAD is the GET, checked alike)
@@ -144,7 +144,7 @@ def main(args: ServeSettings) -> int:
                      max_slowdown_ppm=args.max_slowdown_ppm, memory_budget=args.memory_budget,
                      state_dir=args.state_dir, max_body=args.max_body, n_ctx=args.ctx, on_load_error=on_load_error,
                      body_timeout=args.body_timeout, device=str(device), weights=args.weights,
-                     compile=args.compile, n_predict=args.n_predict)
+                     compile=args.compile, n_predict=args.n_predict, max_queued_jobs=args.max_queued_jobs)
     server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level="warning",
                                            access_log=False, timeout_graceful_shutdown=5))
     server_box.append(server)

@@ -30,6 +30,7 @@ M = TypeVar("M", bound=BaseModel)
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
                404: "not_found_error", 405: "invalid_request_error", 408: "invalid_request_error",
                409: "invalid_request_error", 413: "invalid_request_error", 422: "invalid_request_error",
+               429: "unavailable_error",
                501: "not_supported_error", 503: "unavailable_error"}
 
 
@@ -74,6 +75,7 @@ DESCRIPTIONS = {400: "Invalid request (a field, the JSON, or a value the model c
                 401: "Missing or wrong API key", 404: "Not found", 405: "Method not allowed",
                 408: "The request body did not arrive in time", 409: "Conflict with the job's state",
                 413: "The request body is too large", 422: "The job does not fit the memory budget",
+                429: "As many training jobs as the server queues are waiting",
                 500: "The server failed", 503: "The model is loading, or the server is shutting down"}
 
 

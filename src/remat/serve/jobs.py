@@ -81,15 +81,18 @@ class _Planned:
 class JobManager:
     def __init__(self, *, model: str | None, state_dir: Path, scheduler: Scheduler,
                  memory_budget: int | None = None, save_every: int = 1, tokenizer=None,
-                 decode_reserve: Callable[[], int] = lambda: 0, device: str = "cpu"):
+                 decode_reserve: Callable[[], int] = lambda: 0, device: str = "cpu", max_queued: int | None = None):
         """`model`: the spec the server trains (None: the embedded default). `save_every`: steps between
         checkpoints of a job that does not say (they make a crashed job resumable). `tokenizer`: the served
         model's, to check at submit that the data gives windows (presets bring their own). `decode_reserve`: what
-        the decode slots' KV caches may still grow by (a job's budget read from free memory leaves it)."""
+        the decode slots' KV caches may still grow by (a job's budget read from free memory leaves it).
+        `max_queued`: the jobs that may wait their turn (`--max-queued-jobs`; None: no limit); one more is refused
+        (429)."""
         self.model, self.scheduler, self.memory_budget = model, scheduler, memory_budget
         self.decode_reserve = decode_reserve
         self.device = device  # where the server decodes (its KV caches), and where a job trains unless it says
         self.save_every = save_every
+        self.max_queued = max_queued
         self.state_dir = Path(state_dir)
         self.state_dir.mkdir(parents=True, exist_ok=True)
         self._tokenizer = tokenizer
@@ -115,10 +118,13 @@ class JobManager:
         p = self._planned(req)
         settings = p.settings.model_dump(exclude={"data", "out", "resume"})
         job_id = f"job-{secrets.token_hex(8)}"
-        with self.store.lock:
-            self.store.insert(job_id, p.name, settings, p.records, p.gate, {"steps": p.steps} if p.steps else {})
-            self.store.event(job_id, "queued", {"position": self.worker.enqueue(job_id)})
-        body.release(p.records)
+        try:
+            with self.store.lock:
+                self._room()
+                self.store.insert(job_id, p.name, settings, p.records, p.gate, {"steps": p.steps} if p.steps else {})
+                self.store.event(job_id, "queued", {"position": self.worker.enqueue(job_id)})
+        finally:
+            body.release(p.records)
         return {"id": job_id, "status": "queued", **p.answer()}
 
     def list(self) -> builtins.list[dict]:
@@ -198,11 +204,20 @@ class JobManager:
         plan = self._admit(s)
         with self.store.lock:
             self._resumable(job_id)  # another resume may have queued it meanwhile
+            self._room()
             self.store.update(job_id, status="queued", reason=None, finished=None, plan=plan)
             checkpoint = self.worker.checkpoint(job_id)
             self.store.event(job_id, "queued", {"resumed_from_step": checkpoint.step if checkpoint else None})
             self.worker.enqueue(job_id)
             return self.get(job_id)
+
+    def _room(self) -> None:
+        """429 where `max_queued` jobs wait already (caller holds the store's lock). Checked after the job is
+        planned: a request that is wrong in itself hears that first."""
+        if self.max_queued is not None and len(self.worker.queue) >= self.max_queued:
+            raise ApiError(429, code="queue_full", type="unavailable_error",
+                           message=f"{len(self.worker.queue)} training jobs are waiting, the most this server "
+                           "queues (--max-queued-jobs): submit again once one has started, or cancel one")
 
     def _resumable(self, job_id: str) -> TrainSettings:
         """The settings a failed or cancelled job resumes with; 409 for any other (caller holds the lock)."""

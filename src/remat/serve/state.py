@@ -23,11 +23,13 @@ log = logging.getLogger("remat.serve")
 class Server:
     def __init__(self, *, model: str | None, parallel: int, max_slowdown_ppm: int, memory_budget: int | None,
                  state_dir: Path, n_ctx: int | None, on_load_error=None, device: str = "cpu",
-                 weights: str = "blocks", compile: bool = False, n_predict: int = -1):
+                 weights: str = "blocks", compile: bool = False, n_predict: int = -1,
+                 max_queued_jobs: int | None = None):
         self.model_spec, self.parallel, self.max_slowdown_ppm = model, parallel, max_slowdown_ppm
         self.device = device  # where the model decodes, and jobs train unless they say
         self.weights, self.compile = weights, compile  # what the model decodes from, and how (`Engine`)
         self.n_predict = n_predict  # the most tokens a request generates (`Engine`)
+        self.max_queued_jobs = max_queued_jobs  # training jobs that may wait (`JobManager`)
         self.memory_budget, self.state_dir, self.n_ctx = memory_budget, Path(state_dir), n_ctx
         self.on_load_error = on_load_error
         self.scheduler: Scheduler | None = None
@@ -57,7 +59,7 @@ class Server:
                 return max(0, engine.kv_cache_reserve() - engine.kv_cache_bytes())
 
             self.jobs = JobManager(model=self.model_spec, state_dir=self.state_dir, scheduler=scheduler,
-                                   decode_reserve=reserve, device=self.device,
+                                   decode_reserve=reserve, device=self.device, max_queued=self.max_queued_jobs,
                                    memory_budget=self.memory_budget, tokenizer=engine.tokenizer)
             self.ready.set()
             log.info("model %s loaded (n_ctx %d)", engine.name, engine.n_ctx)

@@ -43,11 +43,12 @@ PlanBody = Annotated[body.Parsed[PlanRequest], Depends(plan_body)]
 PLAN_BODY = body.openapi_body(PlanRequest, "a training job as POST /train takes it; ctx may be max")
 
 
-@router.post("/train", status_code=202, response_model=Submitted, responses=responses(400, 422, 503),
+@router.post("/train", status_code=202, response_model=Submitted, responses=responses(400, 422, 429, 503),
              openapi_extra=TRAIN_BODY)
 async def train(req: TrainBody, jobs: JobsDep):
     """Plan the job on fake tensors and queue it (202 with the plan, `Location` naming the job), or refuse it:
-    422 `insufficient_memory` with the plans the gate looked at when none fits the budget."""
+    422 `insufficient_memory` with the plans the gate looked at when none fits the budget; 429 `queue_full` when
+    as many jobs as the server queues (`--max-queued-jobs`) are waiting."""
     answer = await body.answer(jobs.submit, req)
     return SafeJSONResponse(answer, status_code=202, headers={"Location": f"/train/{answer['id']}"})
 
@@ -88,9 +89,9 @@ async def train_delete(job_id: str, jobs: JobsDep):
 
 
 @router.post("/train/{job_id}/resume", status_code=202, response_model=Job,
-             responses=responses(404, 409, 422, 503))
+             responses=responses(404, 409, 422, 429, 503))
 async def train_resume(job_id: str, jobs: JobsDep):
-    """Requeue a failed or cancelled job from its last checkpoint."""
+    """Requeue a failed or cancelled job from its last checkpoint (429 `queue_full` as for a new job)."""
     return SafeJSONResponse(await run_in_threadpool(jobs.resume, job_id), status_code=202)
 
 
