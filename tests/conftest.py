@@ -85,7 +85,8 @@ def new_case(name: str, *, num_layers: int | None = None, prepare=None) -> Case:
 
 # The modules that take longest, longest first (seconds on two idle cores, `--durations=0`, summed per module):
 # `make test` hands whole modules to its two workers in this order (`--no-loadscope-reorder`), so a long one
-# does not start last while the other worker idles. conformance 630, stamp 470, cli 460, server_openapi 190,
+# does not start last while the other worker idles. As measured before test_record's family matrix became
+# test_stamp's and leftovers were frozen (both now shorter): conformance 630, stamp 470, cli 460, server_openapi 190,
 # train_lora 95, precision 90, quant_cli 85, models 80, distributed 70, longest 70, shared_blocks 65, serve 60.
 SLOWEST = ("test_conformance", "test_stamp", "test_cli", "test_server_openapi", "test_train_lora", "test_precision",
            "test_quant_cli", "test_models", "test_distributed", "test_longest", "test_shared_blocks", "test_serve")

@@ -215,7 +215,7 @@ class JobManager:
         """429 where `max_queued` jobs wait already (caller holds the store's lock). Checked after the job is
         planned: a request that is wrong in itself hears that first."""
         if self.max_queued is not None and len(self.worker.queue) >= self.max_queued:
-            raise ApiError(429, code="queue_full", type="unavailable_error",
+            raise ApiError(429, code="queue_full",
                            message=f"{len(self.worker.queue)} training jobs are waiting, the most this server "
                            "queues (--max-queued-jobs): submit again once one has started, or cancel one")
 
