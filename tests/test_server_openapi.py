@@ -23,7 +23,8 @@ pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning")
 #   not fail or was not cancelled;
 # - 422: a job (or a resumed one) over the memory budget;
 # - 429: a job (or a resumed one) while the queue is full: this server queues one (`--max-queued-jobs 1`), so
-#   that the jobs the fuzzer submits do not train one after another beside it (400 of them took 60% of its time);
+#   that the ~400 jobs the fuzzer submits do not train one after another beside it (POST /train and /train/plan
+#   took 173 s of its 195 while they did; /train/plan's requests 15 s with no job training);
 # - 400 on generation and /lora-adapters: an adapter id no adapter has (the server holds none here); on
 #   generation also a text prompt that tokenizes to the whole context or more (the schema bounds its
 #   characters, 32 per token of context, and prompts of token ids by the context), and for chat a template
