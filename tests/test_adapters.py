@@ -274,7 +274,8 @@ def test_gguf_adapter_applied_by_hand_equals_the_peft_merge(name, tmp_path):
                       "adapter.lora.alpha": 12.0}
     name_map = gguf.get_tensor_name_map(gguf.MODEL_ARCH.QWEN35 if arch == "qwen35" else gguf.MODEL_ARCH.LLAMA,
                                         config.num_hidden_layers)
-    targets = {name_map.get_name(n + ".weight", try_suffixes=(".weight",)): n for n in adapted(model)}
+    lora_layers = adapted(model)
+    targets = {name_map.get_name(n + ".weight", try_suffixes=(".weight",)): n for n in lora_layers}
     assert set(tensors) == {t + s for t in targets for s in (".lora_a", ".lora_b")}
     if base_gguf is not None:
         base = {t.name: t for t in gguf.GGUFReader(base_gguf).tensors}
@@ -283,7 +284,7 @@ def test_gguf_adapter_applied_by_hand_equals_the_peft_merge(name, tmp_path):
             assert tensors[t + ".lora_a"].shape[1] == base[t].shape[0]
             assert tensors[t + ".lora_b"].shape[0] == base[t].shape[1]
 
-    weights = {n: m.weight.detach().clone() for n, m in model.get_base_model().named_modules() if n in adapted(model)}
+    weights = {n: m.weight.detach().clone() for n, m in model.get_base_model().named_modules() if n in lora_layers}
     # PEFT merges into `weight.data`: a GGUF base's weights are made from its blocks on each read (quant), so it
     # merges into float32 copies of them, as `merge_into_base` does
     merged = dict(stored.to_float(model).merge_and_unload().named_modules())

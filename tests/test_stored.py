@@ -5,6 +5,7 @@ transformers models, real PEFT: the oracle is the model as transformers loads it
 from __future__ import annotations
 
 import gguf
+import numpy as np
 import peft
 import pytest
 import torch
@@ -15,7 +16,7 @@ from remat.base.settings import Note, TrainSettings
 from remat.core import policies
 from remat.core.plan import plan
 from remat.core.recompute import keep_reasons, saved_nodes
-from remat.models import adapters, quant, stored
+from remat.models import adapters, gguf_file, quant, stored
 from remat.models import load as models
 from remat.training.step import Planner, StepShape
 from remat.training.train import BatchRunner, Hooks
@@ -76,6 +77,22 @@ def test_gguf_weights_stay_in_their_blocks_and_read_as_transformers_loads_them(g
     if gguf_path.name == "tied.gguf":  # one parameter of bytes for the embedding and the head
         head, embedding = loaded.lm_head.parametrizations.weight, loaded.model.embed_tokens.parametrizations.weight
         assert head.original is embedding.original
+
+
+def test_a_load_maps_each_tensor_as_gguf_py_reads_it(tmp_path):
+    """A load maps each tensor's data from the header's table kept in the cache (`gguf_file.mapped`), without
+    gguf-py's reader (which parses the whole header, vocabulary and all, each time): the reader's arrays all the
+    same (type, shape, bytes), for F32, F16, BF16, every kept block type, and every tensor of the shipped GGUF."""
+    path = write(tmp_path / "types.gguf", MIXED | {"ffn_gate": Q.F16, "ffn_up": Q.BF16})
+    for p in (path, models.default_gguf_path()):
+        first = models.gguf_header(p)  # read by gguf-py's reader, kept
+        arch, table = models.gguf_header(p)
+        assert (arch, table) == first and all(t.offset > 0 for t in table)
+        reader = gguf.GGUFReader(p)
+        assert len(table) == len(reader.tensors)
+        for (t, data), r in zip(gguf_file.mapped(p, table), reader.tensors):
+            assert (t.name, data.dtype, data.shape) == (r.name, r.data.dtype, r.data.shape), t.name
+            assert np.array_equal(data.view(np.uint8), r.data.view(np.uint8)), t.name
 
 
 def test_full_fine_tuning_loads_float32_copies(gguf_path):

@@ -13,16 +13,18 @@ loaded by transformers, dequantized (`transformers_converts`).
 from __future__ import annotations
 
 import dataclasses
+import math
 import mmap
 import os
 import weakref
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
 import gguf
 import numpy as np
 import torch
+from gguf.quants import quant_shape_to_byte_shape
 from torch import nn
 from transformers import modeling_gguf_pytorch_utils as hf_gguf
 from transformers.integrations.gguf import is_gguf_arch_supported
@@ -50,11 +52,13 @@ class GGUFError(ValueError):
 
 @dataclasses.dataclass(frozen=True)
 class Tensor:
-    """One tensor as the header describes it: its type and shape in numpy order (rows last)."""
+    """One tensor as the header describes it: its type, its shape in numpy order (rows last), and where its data
+    starts in the file (-1: a tensor only planned)."""
 
     name: str
     qtype: int
     shape: tuple[int, ...]
+    offset: int = -1
 
 
 def read(path: Path) -> gguf.GGUFReader:
@@ -65,6 +69,8 @@ def read(path: Path) -> gguf.GGUFReader:
     except (ValueError, KeyError, IndexError, OSError, EOFError) as e:
         raise GGUFError(f"GGUF '{path}' is damaged or not a GGUF ({e.__class__.__name__}: {e}): a truncated file, "
                         "or a header whose sizes or offsets lie") from None
+    if reader.byte_order != "I":
+        raise GGUFError(f"GGUF '{path}' is big-endian: remat reads little-endian files")
     size = os.path.getsize(path)
     for t in reader.tensors:
         if t.data_offset + t.n_bytes > size or t.data.nbytes != t.n_bytes:
@@ -83,8 +89,34 @@ def architecture(reader: gguf.GGUFReader) -> str:
 
 
 def tensors(reader: gguf.GGUFReader) -> list[Tensor]:
-    return [Tensor(t.name, int(t.tensor_type), tuple(int(n) for n in reversed(t.shape.tolist())))
+    return [Tensor(t.name, int(t.tensor_type), tuple(int(n) for n in reversed(t.shape.tolist())), int(t.data_offset))
             for t in reader.tensors]
+
+
+# The numpy type gguf-py's reader gives each unquantized type; a quantized tensor is its rows' bytes (uint8).
+_ITEMS = {Q.F16: np.float16, Q.F32: np.float32, Q.F64: np.float64, Q.I8: np.int8, Q.I16: np.int16,
+          Q.I32: np.int32, Q.I64: np.int64}
+
+
+def mapped(path: Path, table: list[Tensor]) -> Iterator[tuple[Tensor, np.ndarray]]:
+    """Each tensor of the file's `table` (`tensors`, kept from a first read) with its data as gguf-py's reader gives
+    it, the file mapped, not read: the reader parses every field of the header again, the vocabulary too (2.6 s
+    for SmolLM2's). Each tensor's pages are dropped from the process once the next is asked for (every value is
+    copied by then). Read through the mapping, they count in the resident set until it is closed: a float32 GGUF's
+    whole size again at load (SmolLM2: peak 1,580 MiB, 902 once loaded); dropped, a page read again comes back
+    from the file."""
+    data = np.memmap(path, mode="r")
+    handle = getattr(data, "_mmap", None)
+    for t in table:
+        qtype = Q(t.qtype)
+        block, size = gguf.GGML_QUANT_SIZES[qtype]
+        n_bytes = math.prod(t.shape) * size // block
+        raw = data[t.offset:t.offset + n_bytes]
+        item = _ITEMS.get(qtype)
+        yield t, raw.view(item).reshape(t.shape) if item else raw.reshape(quant_shape_to_byte_shape(t.shape, qtype))
+        if handle is not None and hasattr(mmap, "MADV_DONTNEED"):
+            start = t.offset // mmap.PAGESIZE * mmap.PAGESIZE
+            handle.madvise(mmap.MADV_DONTNEED, start, t.offset + n_bytes - start)
 
 
 def transformers_converts(arch: str) -> bool:
@@ -175,21 +207,22 @@ def identity(path: Path) -> tuple:
     return str(path.resolve()), st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns
 
 
-def load_into(model: nn.Module, reader: gguf.GGUFReader, file: tuple | None = None) -> list[str]:
-    """Fill `model` (a skeleton: its parameters' values unset) with the file's tensors; -> notes for the user
-    (tensors dequantized at load, by type). `file`: the file's `identity`, to share the blocks of the tensors kept
-    stored with any other model of it alive in this process (None: a copy of its own)."""
-    arch = architecture(reader)
+def load_into(model: nn.Module, arch: str, file_tensors: Iterable[tuple[Tensor, np.ndarray]],
+              file: tuple | None = None) -> list[str]:
+    """Fill `model` (a skeleton: its parameters' values unset) with the tensors of a file of architecture `arch`
+    (`mapped`); -> notes for the user (tensors dequantized at load, by type). `file`: the file's `identity`, to share
+    the blocks of the tensors kept stored with any other model of it alive in this process (None: a copy of its
+    own)."""
     mapped, processor = names(model, arch), _processor(model, arch)
     params = dict(model.named_parameters())  # a tied weight once, under its first name
     parsed: dict[str, Any] = {"tensors": {}}
     filled, dequantized, kept = set(), dict[str, int](), dict[str, tuple[torch.Tensor, int]]()
     keys: dict[str, tuple] = {}
-    for t, info in zip(_dropped_once_read(reader), tensors(reader)):
+    for info, raw in file_tensors:
         name = mapped.get(info.name, "")
         target = params.get(name)
         qtype = kept_type(arch, info, tuple(target.shape)) if target is not None else None
-        data = np.asarray(t.data) if qtype is not None else gguf.quants.dequantize(t.data, t.tensor_type)
+        data = np.asarray(raw) if qtype is not None else gguf.quants.dequantize(raw, Q(info.qtype))
         if qtype is None and info.qtype != Q.F32:
             dequantized[Q(info.qtype).name] = dequantized.get(Q(info.qtype).name, 0) + 1
         result = processor.process(weights=data, name=info.name, tensor_key_mapping=mapped, parsed_parameters=parsed)
@@ -214,19 +247,6 @@ def load_into(model: nn.Module, reader: gguf.GGUFReader, file: tuple | None = No
     if missing:
         raise GGUFError(f"the GGUF has no tensor for {', '.join(missing[:3])}" + (" ..." if len(missing) > 3 else ""))
     return [f"{n} {kind} tensor{'s' * (n > 1)} dequantized at load (float32)" for kind, n in dequantized.items()]
-
-
-def _dropped_once_read(reader: gguf.GGUFReader) -> Iterator[Any]:
-    """The reader's tensors, each one's pages of the mapped file dropped from the process once the next is asked
-    for (every value is copied by then). Read through the mapping, they count in the resident set until the reader
-    is closed: a float32 GGUF's whole size again at load (SmolLM2: peak 1,580 MiB, 902 once loaded); dropped,
-    a page read again comes back from the file."""
-    handle = getattr(reader.data, "_mmap", None)
-    for t in reader.tensors:
-        yield t
-        if handle is not None and hasattr(mmap, "MADV_DONTNEED"):
-            start = t.data_offset // mmap.PAGESIZE * mmap.PAGESIZE
-            handle.madvise(mmap.MADV_DONTNEED, start, t.data_offset + t.n_bytes - start)
 
 
 def _blocks(weights: Any, key: tuple | None, shape: torch.Size) -> torch.Tensor:

@@ -6,6 +6,7 @@ Everything is local: nothing is ever fetched from the Hugging Face hub.
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import importlib.resources
 import importlib.util
@@ -314,9 +315,15 @@ def _file_sha256(path: pathlib.Path) -> str:
     return h.hexdigest()
 
 
+@functools.lru_cache(maxsize=8)
+def _digest(identity: tuple) -> str:
+    return _file_sha256(pathlib.Path(identity[0]))[:16]
+
+
 def _gguf_kept(path: pathlib.Path, what: str) -> pathlib.Path:
-    # Keyed on content, so a replaced file never reuses a stale parse (hashing ~100 MB takes ~0.1 s).
-    return cache_dir() / "gguf" / f"{_file_sha256(path)[:16]}.{what}"
+    # Keyed on content, so a replaced file never reuses a stale parse (hashing ~100 MB takes ~0.1 s: once per file
+    # while the process runs, told apart from a rewritten one by its `identity`).
+    return cache_dir() / "gguf" / f"{_digest(gguf_file.identity(path))}.{what}"
 
 
 def _gguf_config(path: pathlib.Path) -> transformers.PretrainedConfig:
@@ -341,25 +348,26 @@ def _gguf_config(path: pathlib.Path) -> transformers.PretrainedConfig:
 
 
 def _keep_header(path: pathlib.Path) -> tuple[str, list[gguf_file.Tensor]]:
-    """The file's architecture and tensor table, read with gguf-py's reader, checked and kept in the cache."""
+    """The file's architecture and tensor table (with where each tensor's data starts: a load maps them from it,
+    `gguf_file.mapped`), read with gguf-py's reader, checked and kept in the cache."""
     try:
         reader = gguf_file.read(path)
         header = gguf_file.architecture(reader), gguf_file.tensors(reader)
     except gguf_file.GGUFError as e:
         raise ModelError(str(e)) from None
-    table = {"architecture": header[0], "tensors": [[t.name, t.qtype, list(t.shape)] for t in header[1]]}
+    table = {"architecture": header[0], "tensors": [[t.name, t.qtype, list(t.shape), t.offset] for t in header[1]]}
     with contextlib.suppress(OSError, UsageError), staged_file(_gguf_kept(path, "tensors.json")) as tmp:
         tmp.write_text(json.dumps(table))
     return header
 
 
 def gguf_header(path: pathlib.Path) -> tuple[str, list[gguf_file.Tensor]]:
-    """A GGUF's architecture and tensor table (names, types, shapes), from its header alone: a plan's."""
+    """A GGUF's architecture and tensor table (names, types, shapes, where the data is), from its header alone."""
     kept = _gguf_kept(path, "tensors.json")
-    if not kept.is_file():
+    table = json.loads(kept.read_text()) if kept.is_file() else None
+    if table is None or any(len(t) != 4 for t in table["tensors"]):  # none kept, or kept without the offsets
         return _keep_header(path)
-    table = json.loads(kept.read_text())
-    return table["architecture"], [gguf_file.Tensor(n, q, tuple(s)) for n, q, s in table["tensors"]]
+    return table["architecture"], [gguf_file.Tensor(n, q, tuple(s), o) for n, q, s, o in table["tensors"]]
 
 
 def _gguf_tokenizer(path: pathlib.Path) -> transformers.PreTrainedTokenizerBase:
@@ -384,9 +392,8 @@ def _load_gguf(path: pathlib.Path, as_stored: bool) -> tuple[transformers.PreTra
     `as_stored`, every weight dequantized to float32."""
     config = _gguf_config(path)
     tokenizer = _gguf_tokenizer(path)
+    arch, table = gguf_header(path)
     try:
-        reader = gguf_file.read(path)
-        arch = gguf_file.architecture(reader)
         if gguf_file.transformers_converts(arch):
             warnings.warn(f"transformers converts {arch} GGUF files itself: its weights are dequantized at load "
                           "(float32)", Note, stacklevel=3)
@@ -398,15 +405,14 @@ def _load_gguf(path: pathlib.Path, as_stored: bool) -> tuple[transformers.PreTra
         with no_init_weights():  # every value comes from the file
             model = build_from_config(config)
         model.tie_weights()  # which no_init_weights skips too
-        for note in gguf_file.load_into(model, reader, gguf_file.identity(path)):
+        for note in gguf_file.load_into(model, arch, gguf_file.mapped(path, table), gguf_file.identity(path)):
             warnings.warn(f"{path.name}: {note}", Note, stacklevel=3)
     except gguf_file.GGUFError as e:
         raise ModelError(f"cannot load GGUF '{path}': {e}") from None
     except _LOAD_ERRORS as e:
         raise ModelError(f"cannot load GGUF '{path}': {one_line(e)}") from None
-    del reader
-    # gguf-py's reader parses the vocabulary into many small arrays: ~150 MiB (SmolLM2) freed into the heap, which
-    # the process would hold as resident through training, outside any plan
+    # a first read of the file parses the vocabulary (gguf-py, transformers) into many small arrays: ~150 MiB
+    # (SmolLM2) freed into the heap, which the process would hold as resident through training, outside any plan
     trim_heap()
     if not as_stored:
         stored.to_float(model)
