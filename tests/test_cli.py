@@ -362,7 +362,7 @@ def _plan_tables(err: str) -> list[dict[str, list[str]]]:
 
 def test_smollm2_plan_from_the_config_is_the_traced_runs(cli):
     """Before its weights load, the trainer shows the gate's answer from the model's config alone (fake weights,
-    stamped layers, recorded): the same plans as the real model's, traced whole by make_fx, less what the
+    stamped layers, recorded): the same plans as the real model's, recorded whole, less what the
     process holds (its runtime grows by what planning imported; the trace is measured once traced)."""
     r = cli.shared(*SMOL, "--recompute", "on").result()
     assert r.rc == 0, r

@@ -193,7 +193,7 @@ def test_plans_count_blocks_as_frozen_and_the_float_copies_in_the_graph(gguf_pat
 
 def test_the_plan_from_the_header_is_the_loaded_models(gguf_path):
     """The gate before the weights load (config, header, fake blocks, stamped and recorded) plans what the
-    loaded model's step (traced whole by make_fx) plans, category for category."""
+    loaded model's step (recorded whole) plans, category for category."""
     s = TrainSettings(model=str(gguf_path), ctx=CTX, lora_r=4)
     shape = StepShape.of(s)
     early = planner_of(s).plans(shape)

@@ -29,8 +29,8 @@ class Unrecordable(Exception):
     """A recorder (`trace`'s `recorder`) cannot follow this step: make_fx traces it instead."""
 
 
-# A faster tracer for a step that is only planned (fake weights): `fn(*args)` recorded as make_fx would record it,
-# or Unrecordable. The recorder's dispatch mode answers `last_node()` while it records.
+# A faster tracer than make_fx: `fn(*args)` recorded as make_fx would record it, or Unrecordable. The
+# recorder's dispatch mode answers `last_node()` while it records.
 Recorder = Callable[[Callable[..., tuple], Sequence[torch.Tensor]], fx.GraphModule]
 
 
@@ -46,8 +46,8 @@ def trace(model: nn.Module, loss_fn, inputs: dict[str, tuple[str, torch.Tensor]]
     steps before (the walk's chunks): the step adds each gradient into it as the backward makes it
     and returns these sums as its grads, so no second set of grads is ever alive.
 
-    A model with fake weights (planned only, never run) is recorded by `recorder` where one is given (the same
-    graph as make_fx's, faster: `remat.fastplan.record`), any other traced by make_fx. `workspaces` names the ops
+    The step is recorded by `recorder` where one is given (the same graph as make_fx's, faster:
+    `remat.fastplan.record`), else traced by make_fx. `workspaces` names the ops
     of the step that hold memory inside beyond their outputs; the graph carries them to the planner. Preparing
     the model (its marks, its attention) is the caller's.
     """
@@ -83,10 +83,10 @@ def trace(model: nn.Module, loss_fn, inputs: dict[str, tuple[str, torch.Tensor]]
                 hook.remove()
         return (seeded.loss, *(sums or grads[:n_train]))
 
-    example, planned_only = _fake_inputs(tensors.args(*(t for _, t in inputs.values())), len(sum_names))
+    example = _fake_inputs(tensors.args(*(t for _, t in inputs.values())), len(sum_names))
     # a lazy module makes its Python code on its first call: a trace that is only planned never pays for it
     with torch.enable_grad(), cast(FakeTensor, example[0]).fake_mode, _use_lazy_graph_module(True):
-        gm = _recorded(recorder, step, example) if planned_only and recorder is not None else None
+        gm = _recorded(recorder, step, example) if recorder is not None else None
         if gm is None:
             del boundary[:]
             # no torch-function metadata mode: it only names each node's torch call in its meta (read by nothing)
@@ -96,18 +96,17 @@ def trace(model: nn.Module, loss_fn, inputs: dict[str, tuple[str, torch.Tensor]]
                       info=info or {}, workspaces=workspaces or {})
 
 
-def _fake_inputs(example: list[torch.Tensor], sums: int) -> tuple[list[torch.Tensor], bool]:
-    """The step's arguments as fake tensors, the first `sums` again as zeroed gradient sums at the end; and
-    whether the model was built under a fake mode (planned only: its tensors bring their mode)."""
+def _fake_inputs(example: list[torch.Tensor], sums: int) -> list[torch.Tensor]:
+    """The step's arguments as fake tensors (a model built under a fake mode brings its own), the first `sums`
+    again as zeroed gradient sums at the end."""
     if len({id(t) for t in example}) != len(example):
         raise ValueError("each input must be its own tensor (make_fx merges repeated inputs)")
     mode = next((t.fake_mode for t in example if isinstance(t, FakeTensor)), None)
-    planned_only = mode is not None
     mode = mode or EagerStridesFakeMode(allow_non_fake_inputs=True)
     fakes: list[torch.Tensor] = [t if isinstance(t, FakeTensor) else mode.from_tensor(t) for t in example]
     with mode:
         fakes += [torch.zeros_like(t) for t in fakes[:sums]]
-    return fakes, planned_only
+    return fakes
 
 
 def _recorded(recorder: Recorder, step: Callable, example: list[torch.Tensor]) -> fx.GraphModule | None:

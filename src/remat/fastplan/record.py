@@ -1,19 +1,21 @@
-"""A lean recorder of a plan-only step: the graph make_fx records, in two thirds of its time.
+"""A lean recorder of a step: the graph make_fx records, in under half its time.
 
-A step that is only planned (its model has fake weights, so it never runs) is traced for the values'
-layouts and the ops between them. make_fx wraps every value in a proxy, snapshots and describes it twice
-(`val`, `tensor_meta`), and maps every argument tree through pytree: about a third of a trace beside the
-fake kernels themselves. `record` is a TorchDispatchMode that keeps the same graph directly: one node per op in
-the order it ran, `getitem`s for each element of a tuple result, `_tensor_constant`s for tensors the
-step did not make, lift_fresh recorded as lift_fresh_copy, CompositeImplicit ops decomposed where
-autograd would have, constants folded where make_fx folds them; each node's `meta["val"]` its value as it
-was then, as make_fx's `val`, but a meta tensor on the value's storage (`_snapshot`), not a fake copy (and
-no `tensor_meta`, which nothing here reads).
+The planner records every step it traces: a real model's, which then runs, and one's on fake weights, only
+planned, for the values' layouts and the ops between them. make_fx wraps every value in a proxy, snapshots and
+describes it twice (`val`, `tensor_meta`), and maps every argument tree through pytree: about a third of a trace
+beside the fake kernels themselves. `record` is a TorchDispatchMode that keeps the same graph directly: one node
+per op in the order it ran, `getitem`s for each element of a tuple result, `_tensor_constant`s for tensors the
+step did not make, lift_fresh recorded as lift_fresh_copy, CompositeImplicit ops decomposed where autograd would
+have, constants folded where make_fx folds them; each node's `meta["val"]` its value as it was then, as
+make_fx's `val`, but a meta tensor on the value's storage (`_snapshot`), not a fake copy (and no `tensor_meta`,
+which nothing here reads).
 
-`tests/test_stamp.py` holds it to make_fx node for node (op, target, arguments, layouts, storages) on
-every family of the conformance matrix (the small trace recorded and stamped, as the planner does, against
-make_fx's whole trace), `tests/test_record.py` on the walk's chunk steps; a step the recorder cannot follow
-raises `Unrecordable` and is traced by make_fx.
+`tests/test_stamp.py` holds it to make_fx node for node (op, target, arguments, layouts, storages) on every
+family of the conformance matrix (the small trace recorded and stamped, as the planner does, against make_fx's
+whole trace), `tests/test_record.py` on the walk's chunk steps, and `tests/test_conformance.py` trains every
+family from a saved folder (`finetune`: the step recorded) to the losses of the step make_fx traced, bit for
+bit. A step the recorder cannot follow raises `Unrecordable` and is traced by make_fx. SmolLM2's LoRA step at
+256 tokens: 12,024 nodes recorded in 4.0-5.4 s against 11.2-12.7 with make_fx (interleaved, a loaded machine).
 """
 
 from __future__ import annotations

@@ -3,7 +3,8 @@
 
 Each prepares the model (its layer marks, remat's attention: `hf.prepare`), swaps in the ops that recompute
 inside (`delta_rule`, with their workspaces for the planner) and traces the model's own loss through
-`core.capture.trace`. A planner hands in its recorder (`remat.fastplan.record`) for models on fake weights.
+`core.capture.trace`. A planner hands in its recorder (`remat.fastplan.record`); called without one, make_fx
+traces (the tests' oracle).
 
 The walk's chunks (docs/architecture.md, "The walk"):
 - exact (default): a forward sweep (the decoder alone, without grad) writes every chunk's K/V rows

@@ -129,9 +129,10 @@ class _Shape:
 class Planner:
     """One model's steps: `build` (trace, rewrite), `plans`, `choose` (the gate's policy), each shape's made once.
 
-    A model with fake weights (`gate.planning_model`: only planned, never run) is stamped from a few of its layers
-    and recorded without make_fx's proxies (`remat.fastplan`). A new batch shape is a new step, traced on first
-    use; `forget_graphs` drops the graphs and keeps the plans (a server asked for shape after shape).
+    Every step is recorded without make_fx's proxies (`remat.fastplan.record`); a model with fake weights
+    (`gate.planning_model`: only planned, never run) is stamped from a few of its layers too (`remat.fastplan`).
+    A new batch shape is a new step, traced on first use; `forget_graphs` drops the graphs and keeps the plans
+    (a server asked for shape after shape).
     """
 
     def __init__(self, model: nn.Module, device: torch.device | None = None):
