@@ -1,8 +1,8 @@
 """The recorder (`remat.fastplan.record`) keeps the graph make_fx keeps, node for node: the same ops on the same
 arguments, the same layouts on the same storages, the same forward/backward boundary, on the walk's chunk steps
 (the window's step, on every family of the conformance matrix, is `test_stamp`'s: the planner records its small
-trace, and the stamped result is held to make_fx's whole trace). A plan-only step is recorded, the step that runs
-is traced by make_fx: their graphs, and so their plans, must be one."""
+trace, and the stamped result is held to make_fx's whole trace). The planner records every step, the one that
+runs as well as one only planned: its graph, and so its plan and what it computes, must be make_fx's."""
 
 from __future__ import annotations
 
@@ -10,10 +10,11 @@ from collections.abc import Callable
 
 import pytest
 import torch
+from torch._subclasses.fake_tensor import FakeTensor
 
 import conformance as C
 from remat.core.capture import Recorder
-from remat.core.graph import TrainGraph
+from remat.core.graph import StepInputs, TrainGraph
 from remat.fastplan import record
 from remat.models import load as models
 from remat.models.steps import chunk_step, window_step
@@ -39,17 +40,20 @@ def test_recorded_walk_chunk_is_make_fx_trace(name, exact):
     _assert_same(recorded, traced)
 
 
-def test_a_step_that_runs_is_traced_by_make_fx():
-    """Real weights: the recorder is never asked (a step that runs keeps make_fx's graph)."""
-    asked: list[int] = []
+@pytest.mark.parametrize("name", ["llama", "qwen3_5_text", "gemma2"])  # plain; recurrent state; softcapped logits
+def test_a_step_that_runs_is_recorded_and_runs_as_make_fxs(name):
+    """Real weights: the step is recorded too (the planner's, for the step that trains), and it is make_fx's graph,
+    node for node, computing the same loss and grads, bit for bit."""
+    model = models.build_from_config(models.with_layers(C.tiny_config(name), LAYERS)).train()
+    ids, labels = C.batch()
+    recorded, traced = _both(lambda r: window_step(model, ids, labels, recorder=r))
+    assert _fake_values(traced) and not _fake_values(recorded)  # recorded: meta tensors, make_fx's are fake
+    _assert_same(recorded, traced)
+    args = StepInputs.of(model).args(ids, labels)
+    (loss, grads), (loss_fx, grads_fx) = recorded(*args), traced(*args)
+    assert torch.equal(loss, loss_fx) and len(grads) == len(grads_fx) > 0
+    assert all(torch.equal(a, b) for a, b in zip(grads, grads_fx))
 
-    def recorder(fn, args):
-        asked.append(1)
-        return record.record(fn, args)
 
-    model = models.build_from_config(models.with_layers(C.tiny_config("llama"), LAYERS)).train()
-    ids = torch.zeros(C.BATCH, C.SEQ, dtype=torch.long)
-    window_step(model, ids, ids.clone(), recorder=recorder)
-    assert not asked
-    window_step(_planning_model("llama", LAYERS), ids, ids.clone(), recorder=recorder)  # fake weights: recorded
-    assert asked == [1]
+def _fake_values(tg: TrainGraph) -> int:
+    return sum(isinstance(n.meta.get("val"), FakeTensor) for n in tg.graph.nodes if n.op == "call_function")
