@@ -103,6 +103,18 @@ def test_the_models_maximum_context_caps_it():
     assert window.capped and walk.capped and window.ctx == walk.ctx == 2048
 
 
+def test_where_the_weights_alone_are_over_the_budget_it_says_so_after_one_probe():
+    """tiny-llama, full fine-tuning, 1 MiB: its weights and AdamW's states alone plan 1.2 MiB. Each path says so
+    from its first probe, and the gate refuses the shortest window it allows (one token; one chunk on the walk)."""
+    s, budget = TrainSettings(model="tiny-llama", lora=False), gate.Budget(1 * MiB, "--memory-budget")
+    planners = gate.Planners(load_config(s.model))
+    for a in longest(s, budget, planners):
+        assert a.ctx is None and len(a.probes) == 1, (a.path, a.probes)
+        assert "what every window holds (the weights, the optimizer's state) plans 1.2 MiB" in a.reason, a.reason
+        with pytest.raises(GateRefused):
+            gate.admit(s.model_copy(update={"ctx": a.step, "path": a.path}), budget, planners=planners)
+
+
 def test_the_command_line_answers_with_both_paths(capsys):
     assert cli.main(["plan", "--model", "tiny-llama", "--ctx", "max", "--memory-budget", "4MiB", "--full",
                      "--ubatch", "64", "--json"]) == 0

@@ -7,8 +7,9 @@ rung that fits). Plans grow with the window nearly in a line (the walk's exactly
 the cache's length times a constant, plus one; a window's with a part that grows with its square), so each probe
 goes where the line or the quadratic through the probes nearest the budget meets it (`search`), and the answer is
 confirmed: the window named fits, the next allowed one does not,
-unless the model's maximum context is the limit. The gate's own answer at that window (its policy and plans)
-comes with it.
+unless the model's maximum context is the limit. Where what every window holds (the weights, the optimizer's
+state) is over the budget on its own, the first probe says so. The gate's own answer at that window (its policy
+and plans) comes with it.
 """
 
 from __future__ import annotations
@@ -118,10 +119,11 @@ def _search_path(s: TrainSettings, path: str, step: int, limit: int, budget: gat
 
     lead = allowed[0]  # the policy the search plans: the smallest at the last window planned under every one
     fixed = 0  # what no window changes (the weights and the optimizer's state): the search's first guess leaves it
+    held = 0  # what every window's plan holds beside its step (that, the process, and the trace)
     fits: tuple[int, StepShape | None] = (0, None)  # the longest window planned within the budget, and its shape
 
     def smallest(ctx: int, policies: tuple[str, ...] = allowed) -> int:
-        nonlocal lead, fixed, fits
+        nonlocal lead, fixed, held, fits
         t = at(ctx)
         if t.optimizer_in_backward == "auto":  # the job as small as it runs: in the backward where only so it fits
             t = t.model_copy(update={"optimizer_in_backward": "on"})
@@ -136,6 +138,8 @@ def _search_path(s: TrainSettings, path: str, step: int, limit: int, budget: gat
         if policies == allowed:
             lead = best
             fixed = plans[best].params + plans[best].frozen + plans[best].optimizer
+            held = plans[best].total - max(plans[best].step + plans[best].cache,
+                                           plans[best].grads + plans[best].workspace)
         return plans[best].total
 
     # The search plans one policy a window (the smallest where every one was planned); the window after the one
@@ -146,6 +150,10 @@ def _search_path(s: TrainSettings, path: str, step: int, limit: int, budget: gat
     pieces = 0 if path == "walk" else at(start).loss_chunk or 0
     try:
         smallest(start)
+        if held > budget.bytes:  # no window fits: said at once, not after probing down to the shortest
+            answer.reason = (f"no window fits: what every window holds (the weights, the optimizer's state) plans "
+                             f"{held / MiB:,.1f} MiB, over the budget {budget}")
+            return answer
         while True:
             more = search(lambda ctx: smallest(ctx, (lead,)), budget.bytes, step, answer.limit, start, fixed,
                           period=pieces)
