@@ -119,7 +119,7 @@ def _search_path(s: TrainSettings, path: str, step: int, limit: int, budget: gat
 
     lead = allowed[0]  # the policy the search plans: the smallest at the last window planned under every one
     fixed = 0  # what no window changes (the weights and the optimizer's state): the search's first guess leaves it
-    held = 0  # what every window's plan holds beside its step (that, the process, and the trace)
+    held = 0  # what every window's plan holds beside its step and the walk's cache: no window fits below it
     fits: tuple[int, StepShape | None] = (0, None)  # the longest window planned within the budget, and its shape
 
     def smallest(ctx: int, policies: tuple[str, ...] = allowed) -> int:
