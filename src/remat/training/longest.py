@@ -19,6 +19,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from remat.base.settings import GateRefused, MiB, TrainSettings, UsageError
+from remat.core.plan import Plan
 from remat.models import load as models
 from remat.models.hf import UnsupportedModel
 from remat.training import gate
@@ -118,12 +119,11 @@ def _search_path(s: TrainSettings, path: str, step: int, limit: int, budget: gat
         return gate.settled(s.model_copy(update={"ctx": ctx, "path": path}), planners.config, world_size)
 
     lead = allowed[0]  # the policy the search plans: the smallest at the last window planned under every one
-    fixed = 0  # what no window changes (the weights and the optimizer's state): the search's first guess leaves it
-    held = 0  # what every window's plan holds beside its step and the walk's cache: no window fits below it
+    lead_plan: Plan | None = None  # the lead's plan there
     fits: tuple[int, StepShape | None] = (0, None)  # the longest window planned within the budget, and its shape
 
     def smallest(ctx: int, policies: tuple[str, ...] = allowed) -> int:
-        nonlocal lead, fixed, held, fits
+        nonlocal lead, lead_plan, fits
         t = at(ctx)
         if t.optimizer_in_backward == "auto":  # the job as small as it runs: in the backward where only so it fits
             t = t.model_copy(update={"optimizer_in_backward": "on"})
@@ -136,10 +136,7 @@ def _search_path(s: TrainSettings, path: str, step: int, limit: int, budget: gat
         with turn():  # one probe's graphs at a time, and the longest fitting window's (the answer's, at the end)
             planners.forget_graphs(but=fits[1])
         if policies == allowed:
-            lead = best
-            fixed = plans[best].params + plans[best].frozen + plans[best].optimizer
-            held = plans[best].total - max(plans[best].step + plans[best].cache,
-                                           plans[best].grads + plans[best].workspace)
+            lead, lead_plan = best, plans[best]
         return plans[best].total
 
     # The search plans one policy a window (the smallest where every one was planned); the window after the one
@@ -150,13 +147,12 @@ def _search_path(s: TrainSettings, path: str, step: int, limit: int, budget: gat
     pieces = 0 if path == "walk" else at(start).loss_chunk or 0
     try:
         smallest(start)
-        if held > budget.bytes:  # no window fits: said at once, not after probing down to the shortest
-            answer.reason = (f"no window fits: what every window holds (the weights, the optimizer's state) plans "
-                             f"{held / MiB:,.1f} MiB, over the budget {budget}")
+        if reason := _held_over(lead_plan, budget):  # said at once, not after probing down to the shortest window
+            answer.reason = reason
             return answer
         while True:
-            more = search(lambda ctx: smallest(ctx, (lead,)), budget.bytes, step, answer.limit, start, fixed,
-                          period=pieces)
+            more = search(lambda ctx: smallest(ctx, (lead,)), budget.bytes, step, answer.limit, start,
+                          _fixed(lead_plan), period=pieces)
             found = more or found
             if more == answer.limit or smallest(step if more is None else more + step) > budget.bytes:
                 break
@@ -171,6 +167,21 @@ def _search_path(s: TrainSettings, path: str, step: int, limit: int, budget: gat
     with turn():
         answer.admitted = gate.admit(at(found), budget, world_size=world_size, planners=planners)
     return answer
+
+
+def _fixed(p: Plan | None) -> int:
+    """What no window changes (the weights and the optimizer's state): the search's first guess leaves it."""
+    return 0 if p is None else p.params + p.frozen + p.optimizer
+
+
+def _held_over(p: Plan | None, budget: gate.Budget) -> str:
+    """Why no window fits where what every window's plan holds beside its step and the walk's cache is over the
+    budget on its own (else "")."""
+    held = 0 if p is None else p.total - max(p.step + p.cache, p.grads + p.workspace)
+    if held <= budget.bytes:
+        return ""
+    return (f"no window fits: what every window holds (the weights, the optimizer's state) plans {held / MiB:,.1f} "
+            f"MiB, over the budget {budget}")
 
 
 def _allowed(recompute: str) -> tuple[str, ...]:
