@@ -13,7 +13,6 @@ loaded by transformers, dequantized (`transformers_converts`).
 from __future__ import annotations
 
 import dataclasses
-import math
 import mmap
 import os
 import weakref
@@ -108,9 +107,7 @@ def mapped(path: Path, table: list[Tensor]) -> Iterator[tuple[Tensor, np.ndarray
     data = np.memmap(path, mode="r")
     handle = getattr(data, "_mmap", None)
     for t in table:
-        qtype = Q(t.qtype)
-        block, size = gguf.GGML_QUANT_SIZES[qtype]
-        n_bytes = math.prod(t.shape) * size // block
+        qtype, n_bytes = Q(t.qtype), quant.stored_bytes(t.qtype, t.shape)
         raw = data[t.offset:t.offset + n_bytes]
         item = _ITEMS.get(qtype)
         yield t, raw.view(item).reshape(t.shape) if item else raw.reshape(quant_shape_to_byte_shape(t.shape, qtype))
