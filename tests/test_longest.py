@@ -47,9 +47,9 @@ def test_search_finds_the_last_window_within_the_budget():
 
 def test_a_plan_that_jumps_at_each_loss_piece_is_searched_piece_by_piece_first():
     """A window one token past a multiple of the loss chunk has one more piece, and its plan jumps there (qwen3.5
-    near 82k tokens: 10.6 MiB, where a token adds 0.08): told the period, the search bisects over those windows
-    before it reads a line within one stretch. The same answers as every window tried in turn, in fewer probes
-    over the cases, and never more than 17."""
+    near 82k tokens: 10.6 MiB, where a token adds 0.08): told the period, the search runs over its multiples
+    first, then within the one stretch after the last that fits, where the plan is a line. The same answers as
+    every window tried in turn, in fewer probes over the cases, and never more than 17."""
     rng = random.Random(1)
     probes = {0: 0, 1: 0}
     for case in range(300):
@@ -225,10 +225,11 @@ def test_a_jobs_plan_waits_for_one_probe_of_a_search_not_the_whole(tmp_path):
 
 
 def test_the_search_holds_one_probes_graphs_and_the_longest_fitting_windows():
-    """Each probe's graphs are dropped once it is planned, but the longest window that fits so far (the answer's,
-    planned again under every policy at the end): at every probe the planners hold the graphs of at most two
-    windows, and the answer still fits where the next window does not (SmolLM2 in 640 MiB: its window is a graph
-    of ~15k nodes; qwen3.5-0.8b's near 80k tokens, ~10^5: every probe's held 6.9 GB over a search)."""
+    """Each probe's graphs are dropped once the next is planned, but the longest window that fits so far (the
+    answer's, planned again under every policy at the end): at every probe the planners hold the graphs of at most
+    three windows (that one, the last probe's, the one planned), and the answer still fits where the next window
+    does not (SmolLM2 in 640 MiB: its window is a graph of ~15k nodes; every probe's kept, qwen3.5-0.8b's search
+    near 80k tokens held 6.9 GB)."""
     import contextlib
 
     s, budget = TrainSettings(), gate.Budget(640 * MiB, "--memory-budget")
@@ -241,7 +242,7 @@ def test_the_search_holds_one_probes_graphs_and_the_longest_fitting_windows():
         yield
 
     window = longest(s, budget, planners, turn=turn, paths=("window",))[0]
-    assert window.ctx is not None and len(window.probes) >= 3 and max(held) <= 2, held
+    assert window.ctx is not None and len(window.probes) >= 3 and max(held) <= 3, held
     fresh = gate.Planners(load_config(s.model))
     assert gate.admit(s.model_copy(update={"ctx": window.ctx}), budget, planners=fresh).plan == window.admitted.plan
     with pytest.raises(GateRefused):

@@ -4,8 +4,8 @@ import pytest
 import torch
 
 from remat.base.settings import GateRefused
+from remat.core.devices import preflight
 from remat.core.graph import StepInputs
-from remat.core.plan import preflight
 from remat.models.load import load_model
 from remat.models.steps import window_step
 

@@ -12,6 +12,7 @@ from torch import fx
 import conformance as C
 from planning import planner_of
 from remat.base.settings import TrainSettings
+from remat.core import plan as plan_module
 from remat.core import policies
 from remat.core.capture import EagerStridesFakeMode
 from remat.core.graph import TrainGraph, tensors_in
@@ -291,3 +292,68 @@ def test_a_stamped_walk_chunk_is_the_whole_trace(name, walk):
     assert _described(stamped) == _described(full)
     assert stamped.names == full.names and stamped.roles == full.roles
     assert planner.plans(shape) == whole.plans(shape)
+
+
+@pytest.mark.parametrize("name", ["llama", "gemma2", "qwen3_5_text"])  # plain; softcapped logits; hybrid
+@pytest.mark.parametrize("tokens", [C.SEQ + 1, 3 * C.SEQ])  # nine pieces, the last of one token; 24 pieces
+def test_a_plans_lumped_pieces_plan_as_all_of_them(monkeypatch, name, tokens):
+    """Stamped for plans (`lumped`: pieces 2, 3 and N-4 copied, the one for piece 3 standing for those left out),
+    the step plans as make_fx's whole trace with all its pieces, to the byte: every policy, the optimizer after the
+    backward or in it, the graph's own plan and one made without it (the rewriter's, the layers' stamper's)."""
+    model = _planning_model(name, DEPTHS.get(name, LAYERS))
+    ids = torch.zeros(C.BATCH, tokens, dtype=torch.long)
+
+    def whole(recorder=None) -> TrainGraph:
+        return window_step(model, ids, ids.clone(), loss_chunk=LOSS_CHUNK, recorder=recorder)
+
+    def lumped() -> TrainGraph:
+        return pieces.stamp(lambda: whole(record.record), tokens, LOSS_CHUNK, lumped=True)
+
+    ours, full = lumped(), whole()
+    assert len(ours.graph.nodes) < len(full.graph.nodes)
+    stamper = stamp.stamp(model, lambda _layers: lumped())
+    mine, theirs = Rewriter(ours), Rewriter(full)
+    for updates in (False, True):
+        assert plan(ours, updates=updates) == plan(full, updates=updates)
+        assert stamper.plan(None, updates) == plan(full, updates=updates)
+        for policy in (LAYER, policies.parse("dots"), policies.parse("every:2")):
+            expected = theirs.plan(policy, updates=updates)
+            assert mine.plan(policy, updates=updates) == expected, policy.name
+            assert plan(mine(policy), updates=updates) == expected, policy.name
+        for policy in (LAYER, policies.parse("dots")):
+            assert stamper.plan(policy, updates) == theirs.plan(policy, updates=updates), policy.name
+    added: list[int] = []
+
+    def counted(life: dict, at: list) -> dict:
+        lumped_life = lump(life, at)
+        added.append(sum(size for key, (_, size, _) in lumped_life.items() if key not in life))
+        return lumped_life
+
+    lump = plan_module.lumped
+    monkeypatch.setattr(plan_module, "lumped", counted)
+    assert plan(ours) == plan(full) and added[0] > 0  # what the pieces left out saved for their backward
+    monkeypatch.setattr(plan_module, "lumped", lambda life, _at: life)
+    if tokens > 2 * C.SEQ and name != "qwen3_5_text":  # sixteen left out: without them, the head's peak is short
+        assert plan(ours) != plan(full)
+
+
+def test_a_save_back_among_the_loss_pieces_values_chooses_as_with_every_piece(monkeypatch):
+    """A planning model's window step is lumped (the copy of piece 3 stands for pieces 4 to N-5), so a save-back
+    choosing among the pieces' own values (between dots and off: each piece's log-softmax) makes every piece a
+    graph of its own first: the gate chooses as a planner whose step has all its pieces, and plans the same. (At
+    this size the values it takes come before the pieces' in cost per byte: the lumped step would have chosen
+    the same; the flag says the step was made whole.)"""
+    s = TrainSettings(model="tiny-llama", ctx=512, batch=1, loss_chunk=32, lora=False, dtype="float32")
+    config = models.with_layers(models.load_config("tiny-llama"), LAYERS)
+    shape = step.StepShape.of(s)
+    planner = planner_of(s, config)
+    plans = planner.plans(shape, ("dots", "off"))
+    budget = plans["off"].total - 1  # as many as fit of what off saves besides: the pieces' among them
+    choice = planner.choose(shape, "auto", budget)
+    assert choice.policy.startswith("dots+") and planner._at(shape).kept.all_pieces, choice.policy
+    chosen = choice.plans[choice.policy]
+    assert plan(planner.build(shape, choice.policy), updates=shape.updates) == chosen  # its graph has every piece
+    whole = pieces.stamp
+    monkeypatch.setattr(pieces, "stamp", lambda trace, tokens, chunk, lumped=False: whole(trace, tokens, chunk))
+    every = planner_of(s, config).choose(shape, "auto", budget)
+    assert (every.policy, every.plans[every.policy]) == (choice.policy, chosen)

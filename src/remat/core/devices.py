@@ -17,10 +17,14 @@ MPS shares CUDA's path where torch does (SDPA's math kernel, fused AdamW) and is
 from __future__ import annotations
 
 import os
+from typing import TYPE_CHECKING
 
 import torch
 
-from remat.base.settings import UsageError
+from remat.base.settings import GateRefused, UsageError
+
+if TYPE_CHECKING:
+    from remat.core.graph import TrainGraph
 
 # CUDA's SM count where no CUDA device is present to ask (an H100 SXM, an H200): what a deterministic flash
 # backward's accumulators are planned with when `remat plan --device cuda` runs without a GPU.
@@ -112,3 +116,22 @@ def prepare(device: torch.device) -> None:
         return
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", CUBLAS_CONFIG)
     torch.use_deterministic_algorithms(True)
+
+
+def preflight(tg: TrainGraph, device: torch.device | str = "cpu", *, cpu_fallback: bool = False) -> None:
+    """Refuse a graph holding an op that no available backend can run, naming it.
+
+    An op runs if it has a kernel for the device (composite ops count), or, when
+    `cpu_fallback` is allowed, a CPU kernel.
+    """
+    key = torch.device(device).type.upper()
+    missing = set()
+    for n in tg.graph.nodes:
+        if n.op == "call_function" and isinstance(n.target, torch._ops.OpOverload):
+            name = n.target.name()
+            has = torch._C._dispatch_has_computed_kernel_for_dispatch_key
+            if not has(name, key) and not (cpu_fallback and has(name, "CPU")):
+                missing.add(name)
+    if missing:
+        raise GateRefused(f"refused: no kernel on {key.lower()} for {', '.join(sorted(missing))}"
+                          + ("" if cpu_fallback else " (and no CPU fallback allowed)"))

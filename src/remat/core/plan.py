@@ -26,12 +26,13 @@ from torch import fx
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from remat.base.settings import GateRefused, MiB
+from remat.base.settings import MiB
 from remat.core import devices
 from remat.core.graph import TrainGraph, interpret, tensors_in
 from remat.core.updates import ADAMW_TEMPORARIES, update_points
 
 HOST = "remat_host"  # node meta: the value lives in host memory beside a device's step (`remat.core.offload`)
+PIECE = "remat_piece"  # node meta: a loss piece's copy: (its piece, the pieces left out it stands for) (`lumped`)
 
 
 @dataclass
@@ -167,6 +168,19 @@ def lives(held: Sequence[Sequence[tuple[Hashable, int]]], last_read: Sequence[in
     return life
 
 
+def lumped(life: Lives, pieces: Sequence[tuple[int, int] | None]) -> Lives:
+    """`life` with the loss pieces a plan's stamp left out (`fastplan.pieces`; `pieces[i]`: node i's `PIECE`). From
+    the first node of the copy after the one standing for `more` of them to its last, they hold what each saved for
+    its backward: what the copy standing for them made in its forward and freed in its backward, `more` times."""
+    own = {i for i, p in enumerate(pieces) if p is not None and p[1]}
+    if not own:
+        return life
+    piece, more = pieces[min(own)]  # type: ignore[misc]
+    after = [i for i, p in enumerate(pieces) if p is not None and p[0] > piece]
+    saved = sum(size for maker, size, end in life.values() if maker in own and end in own and maker < after[0] < end)
+    return {**life, ("lumped", piece): (after[0], more * saved, after[-1])} if saved else life
+
+
 def in_backward(order: Order, held: Sequence[Sequence[tuple[Hashable, int]]], before_output: Sequence[int],
                 grads: Sequence[int], params: Sequence[int]) -> Order:
     """`order` with the optimizer in the backward: an update after each position `updates.update_points` names
@@ -198,7 +212,8 @@ def _lifetimes(tg: TrainGraph, updates: bool = False) -> tuple[list[fx.Node], Li
     results = _output_nodes(tg.graph)
     outputs = {s for n in results for s, _ in held[pos[n]]} - inputs
     last_read = [max([i] + [pos[u] for u in n.users]) for i, n in enumerate(nodes)]
-    life = lives(held, last_read, inputs, outputs, [tg.workspace(n) for n in nodes])
+    life = lumped(lives(held, last_read, inputs, outputs, [tg.workspace(n) for n in nodes]),
+                  [n.meta.get(PIECE) for n in nodes])
     if updates:
         before = [max([i] + [pos[u] for u in n.users if u.op != "output"]) for i, n in enumerate(nodes)]
         params = [pos[n] for n, r in zip(tg.placeholders(), tg.roles) if r == "trainable"]
@@ -304,6 +319,7 @@ class Storages:
         self.held: list[list[tuple[Hashable, int]]] = []
         self.last_read: list[int] = []
         self.inside: list[int] = []  # what each node holds while it runs beyond its value (`workspace`)
+        self.pieces: list[tuple[int, int] | None] = []  # each node's loss piece, where a copy of one (`lumped`)
         self.inputs: set[Hashable] = set()
         self.grads: list[tuple[Hashable, int]] = []  # what the step's outputs after the loss hold
         self.outputs: set[Hashable] = set()
@@ -328,7 +344,8 @@ class Storages:
         own, inside = self._template(n)
         # keys of one type: (-1, its storage) for an original's, (i, the original's) for node i's new one
         mine = i if new else -1
-        self._append([(self.held[read[k]][j][0] if k >= 0 else (mine, s), size) for s, size, k, j in own], inside)
+        self._append([(self.held[read[k]][j][0] if k >= 0 else (mine, s), size) for s, size, k, j in own], inside,
+                     n.meta.get(PIECE))
         if n.op == "placeholder":
             self.inputs.update(s for s, _ in self.held[i])
             self.placeholders.append(i)
@@ -360,7 +377,8 @@ class Storages:
     def order(self, updates: bool = False) -> Order:
         """The node order made (`updates`: with the optimizer in the backward, `in_backward`)."""
         outputs = self.outputs - self.inputs
-        order = len(self.held), lives(self.held, self.last_read, self.inputs, outputs, self.inside), outputs
+        life = lumped(lives(self.held, self.last_read, self.inputs, outputs, self.inside), self.pieces)
+        order = len(self.held), life, outputs
         if not updates:
             return order
         grads = self.results[1:]
@@ -369,10 +387,11 @@ class Storages:
     def made_grads(self) -> int:
         return sum({s: size for s, size in self.grads if s not in self.inputs}.values())
 
-    def _append(self, held: list[tuple[Hashable, int]], inside: int) -> int:
+    def _append(self, held: list[tuple[Hashable, int]], inside: int, piece: tuple[int, int] | None = None) -> int:
         self.held.append(held)
         self.last_read.append(len(self.held) - 1)
         self.inside.append(inside)
+        self.pieces.append(piece)
         return len(self.held) - 1
 
 
@@ -479,22 +498,3 @@ def _peak(events: list[tuple[int, int]], skip: frozenset[int] | set[int] = froze
 
 def mib(n: int) -> str:
     return f"{n / MiB:,.1f} MiB"
-
-
-def preflight(tg: TrainGraph, device: torch.device | str = "cpu", *, cpu_fallback: bool = False) -> None:
-    """Refuse a graph holding an op that no available backend can run, naming it.
-
-    An op runs if it has a kernel for the device (composite ops count), or, when
-    `cpu_fallback` is allowed, a CPU kernel.
-    """
-    key = torch.device(device).type.upper()
-    missing = set()
-    for n in tg.graph.nodes:
-        if n.op == "call_function" and isinstance(n.target, torch._ops.OpOverload):
-            name = n.target.name()
-            has = torch._C._dispatch_has_computed_kernel_for_dispatch_key
-            if not has(name, key) and not (cpu_fallback and has(name, "CPU")):
-                missing.add(name)
-    if missing:
-        raise GateRefused(f"refused: no kernel on {key.lower()} for {', '.join(sorted(missing))}"
-                          + ("" if cpu_fallback else " (and no CPU fallback allowed)"))

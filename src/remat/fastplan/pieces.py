@@ -10,7 +10,14 @@ the last two the backward's, so pieces 1, 2 and N-3 of the small trace are the o
 graph (op for op, each argument playing the same part: its own piece's node, the piece before's, a shared
 node, the slice bounds relative to the piece's start), forward and backward. The result is the graph
 tracing all N pieces makes, node for node (`tests/test_stamp.py` holds that on every family of the
-conformance matrix); anything else raises NotStampable and the step is traced with all its pieces."""
+conformance matrix); anything else raises NotStampable and the step is traced with all its pieces.
+
+A plan needs fewer still (`lumped`): the copies for pieces 2, 3 and N-4 alone, the one for piece 3 standing for
+pieces 3 to N-5. A piece's nodes hold what the piece before's held, plus what that one saved for its own
+backward, so none of the pieces left out holds more at any node than piece N-4 does; all they add to the others'
+nodes is what each saved for its backward, alive from piece N-4's forward to its backward (`plan.lumped`). Its
+plans are those of all N pieces, to the byte (`tests/test_stamp.py`), at the cost of seven pieces, not N (qwen3.5's
+2,588 at 82,816 tokens)."""
 
 from __future__ import annotations
 
@@ -26,6 +33,7 @@ from torch.fx._lazy_graph_module import _LazyGraphModule
 
 from remat.core.capture import copied_value
 from remat.core.graph import TrainGraph, copy_node, laid_out_on
+from remat.core.plan import PIECE
 from remat.fastplan.stamp import NotStampable, backward_starts, mapped, shares_an_input
 from remat.models.hf import traced_pieces
 
@@ -36,15 +44,17 @@ _BOUNDS: dict[Any, tuple[int, tuple[int, int]]] = {
 MIDDLE = 2  # the traced piece that is copied; segments 0, 1 and 3, 4, 5 are the first two and the last three
 
 
-def stamp(trace: Callable[[], TrainGraph], tokens: int, loss_chunk: int) -> TrainGraph:
-    """The step of `trace()` with all its loss pieces, from the trace of six; NotStampable with why."""
+def stamp(trace: Callable[[], TrainGraph], tokens: int, loss_chunk: int, lumped: bool = False) -> TrainGraph:
+    """The step of `trace()` with all its loss pieces, from the trace of six; NotStampable with why. `lumped`:
+    only pieces 2, 3 and N-4 copied, for plans (not the whole graph; its plans are)."""
     n = -(-tokens // loss_chunk) if 0 < loss_chunk < tokens else 1
     if n < 8:  # the small trace has six: with fewer than eight, it is most of the whole
         raise NotStampable(f"{n} loss pieces: too few to copy")
     pieces = [0, 1, MIDDLE, n - 3, n - 2, n - 1]
     with traced_pieces(pieces):
         small = trace()
-    return _PieceStamper(small, n, loss_chunk, pieces).graph()
+    copies = [MIDDLE, MIDDLE + 1, n - 4] if lumped and n > 8 else list(range(MIDDLE, n - 3))
+    return _PieceStamper(small, n, loss_chunk, pieces, copies).graph()
 
 
 @dataclass
@@ -101,8 +111,9 @@ def _piece_of(rest: list[fx.Node], before: set[fx.Node]) -> list[fx.Node]:
 class _PieceStamper:
     """The small trace split by piece, checked, and copied out to all N pieces (`graph`)."""
 
-    def __init__(self, small: TrainGraph, n: int, step: int, pieces: list[int]):
-        self.small, self.n, self.step, self.pieces = small, n, step, pieces
+    def __init__(self, small: TrainGraph, n: int, step: int, pieces: list[int], copies: list[int]):
+        self.small, self.n, self.step, self.pieces, self.copies = small, n, step, pieces, copies
+        self.left_out = n - 3 - MIDDLE - len(copies)  # pieces stood for by the second copy (`lumped`)
         self.seg = _segments(small, step, pieces)
         self.index = {x: i for segs in (self.seg.forward, self.seg.backward) for seg in segs
                       for i, x in enumerate(seg)}
@@ -150,8 +161,7 @@ class _PieceStamper:
             if node in f2 or node in b2:
                 kind, segment = ("F", seg.forward[MIDDLE]) if node in f2 else ("B", seg.backward[MIDDLE])
                 if node is segment[0]:
-                    ks = range(MIDDLE, self.n - 3) if kind == "F" else range(self.n - 4, MIDDLE - 1, -1)
-                    for k in ks:
+                    for k in self.copies if kind == "F" else reversed(self.copies):
                         for x in segment:
                             env[x, k] = self._copy(new, x, k, env)
                             copies[env[x, k]] = (x, k)
@@ -163,6 +173,7 @@ class _PieceStamper:
 
     def _copy(self, new: fx.Graph, x: fx.Node, k: int, env: dict) -> fx.Node:
         c = copy_node(new, x, functools.partial(self._read, at=k, reader=x, env=env))
+        c.meta[PIECE] = (k, self.left_out if k == MIDDLE + 1 else 0)
         if bounds := _bounds(x):
             args: list[Any] = list(c.args)
             c.args = tuple(a + self.step * (k - MIDDLE) if i in bounds else a for i, a in enumerate(args))
@@ -174,9 +185,9 @@ class _PieceStamper:
         if w is None or w[1] != MIDDLE:
             if at >= 0 and w is not None and w == self._prev(*rw):  # type: ignore[misc]
                 # the first copy reads the traced piece next to it; the others, the copy next to them
-                to = at - 1 if w[0] == "F" else at + 1
-                if to not in (self.pieces[1], self.pieces[3]):
-                    return env[self._segment(w[0], MIDDLE)[self.index[a]], to]
+                i = self.copies.index(at) + (-1 if w[0] == "F" else 1)
+                if 0 <= i < len(self.copies):
+                    return env[self._segment(w[0], MIDDLE)[self.index[a]], self.copies[i]]
             return env[a, -1]
         if at >= 0:
             return env[a, at]  # within the copy: its own piece, forward or backward

@@ -247,7 +247,7 @@ class Planners:
         with EagerStridesFakeMode(allow_non_fake_inputs=True):
             return models.build_from_config(self.config, seed=0)
 
-    def forget_graphs(self, but: StepShape | None = None) -> None:
-        """Each planner's `forget_graphs`: plans kept, graphs dropped (but those of the shape `but`)."""
+    def forget_graphs(self, but: tuple[StepShape, ...] = ()) -> None:
+        """Each planner's `forget_graphs`: plans kept, graphs dropped (but those of the shapes `but`)."""
         for planner in self._planners.values():
             planner.forget_graphs(but)

@@ -96,10 +96,11 @@ def longest(s: TrainSettings, budget: gate.Budget, planners: gate.Planners, worl
 
 def _path(s: TrainSettings, path: str, step: int, limit: int, budget: gate.Budget, planners: gate.Planners,
           world_size: int, turn: Turn) -> Longest:
-    """One path's answer. Of the probes' graphs only the longest fitting window's are kept until it is found (the
-    gate plans the window found again, with the policies the search did not need: from the same small trace), then
-    dropped (other planning between probes may drop them sooner: what it needs again is traced again, the plans
-    kept). qwen3.5-0.8b's window near 80k tokens is a graph of ~10^5 nodes: all the probes' held 6.9 GB."""
+    """One path's answer. Of the probes' graphs only the longest fitting window's and the last probe's are kept
+    until it is found (the gate plans the window found again, and the window after it is planned again, with the
+    policies the search did not need: from the same small trace), then dropped (other planning between probes may
+    drop them sooner: what it needs again is traced again, the plans kept). Every probe's kept, a search held
+    gigabytes (qwen3.5-0.8b's window near 80k tokens, before its loss pieces were lumped: 6.9 GB)."""
     try:
         return _search_path(s, path, step, limit, budget, planners, world_size, turn)
     finally:
@@ -133,8 +134,8 @@ def _search_path(s: TrainSettings, path: str, step: int, limit: int, budget: gat
         answer.probes[ctx] = min(answer.probes.get(ctx, plans[best].total), plans[best].total)
         if answer.probes[ctx] <= budget.bytes and ctx >= fits[0]:
             fits = ctx, StepShape.of(t)
-        with turn():  # one probe's graphs at a time, and the longest fitting window's (the answer's, at the end)
-            planners.forget_graphs(but=fits[1])
+        with turn():  # the last probe's graphs (the answer's next, planned again) and the longest fitting one's
+            planners.forget_graphs(but=tuple(shape for shape in (fits[1], StepShape.of(t)) if shape is not None))
         if policies == allowed:
             lead, lead_plan = best, plans[best]
         return plans[best].total
@@ -195,12 +196,10 @@ def _allowed(recompute: str) -> tuple[str, ...]:
 def search(total: Callable[[int], int], budget: int, step: int, limit: int, start: int, fixed: int = 0,
            period: int = 0) -> int | None:
     """The largest multiple of `step` in [step, limit] whose `total` is within `budget`, plans growing with the
-    window (None: not even `step`). The second probe is the first's window in proportion to the budget (of what
-    grows with the window: all but `fixed`); then each goes where a line through two probes meets it, or the
-    quadratic through three (`_line`), kept inside the bracket; where two probes did not halve the bracket, a
-    bisection. Mostly three to six probes. `period`: where the plan jumps, it jumps after a multiple of it (a
-    window one token past a multiple of the loss chunk has one more piece), so once it is seen to jump the search
-    bisects over those windows first, then within the one stretch left, where the plan is a line (`_across`)."""
+    window (None: not even `step`), in few probes (`_bracket`). `fixed`: the part of a plan no window changes (the
+    first guess leaves it). `period`: the plan jumps one window past each multiple of it (one loss piece more), so
+    the search runs over its multiples first, then within the one stretch after the last that fits, where the plan
+    is a line."""
     seen: dict[int, int] = {}
 
     def probe(ctx: int) -> int:
@@ -208,48 +207,48 @@ def search(total: Callable[[int], int], budget: int, step: int, limit: int, star
             seen[ctx] = total(ctx)
         return seen[ctx]
 
-    lo, hi = 0, limit + step  # lo fits (0: none yet), hi does not (past the limit: none yet)
-    ctx, widths = max(step, start), list[int]()  # the bracket's widths, once it has both ends
+    if not (period > step and period % step == 0 and limit >= period):
+        return _bracket(probe, budget, step, limit, max(step, start), fixed)
+    if start >= limit and probe(limit) <= budget:
+        return limit
+    ends = _bracket(probe, budget, period, limit // period * period, max(period, start // period * period), fixed)
+    lo = ends or 0
+    last = min(lo + period, limit)  # the stretch's last window: over the budget, or the model's maximum
+    if lo + step > last or (last == limit and probe(last) <= budget):
+        return last
+    if probe(lo + step) > budget:
+        return ends
+    if probe(last) <= budget:
+        return last
+    return _bracket(probe, budget, step, last, lo + step, fixed, (lo + step, last))
+
+
+def _bracket(probe: Callable[[int], int], budget: int, step: int, limit: int, start: int, fixed: int = 0,
+             ends: tuple[int, int] | None = None) -> int | None:
+    """`search`'s probes, from `start`, or between `ends` (the first fits, the last does not). The second probe is
+    the first's window in proportion to the budget (of what grows with the window: all but `fixed`); then each goes
+    where a line through two probes meets it, or the quadratic through three (`_line`), kept inside the bracket;
+    where two probes did not halve the bracket, or the line was held at its edge twice running (a plan that jumps:
+    a window a probe), a bisection. Mostly three to six probes."""
+    seen = {c: probe(c) for c in ends or ()}  # this search's own: a line is drawn through them alone
+    lo, hi = ends or (0, limit + step)  # lo fits (0: none yet), hi does not (past the limit: none yet)
+    ctx, widths = start, list[int]()  # the bracket's widths, once it has both ends
     edge = jumps = False  # the last probe was the line's, held at the bracket's edge; twice so: the plan jumps
-    crossed: set[int] = set()  # where it jumps: the windows a line within one stretch named (`_across`)
     while True:
-        if probe(ctx) <= budget:
+        seen[ctx] = probe(ctx)
+        if seen[ctx] <= budget:
             lo = ctx
         else:
             hi = ctx
         if hi - lo <= step:
             return lo or None
-        widths += [hi - lo] if lo and hi <= limit else []
+        bracketed = lo > 0 and hi <= limit
+        widths += [hi - lo] if bracketed else []
         line = min(max(_line(seen, budget, step, limit, fixed), lo + step), hi - step)
         stalled = len(widths) > 2 and widths[-1] > widths[-3] // 2 and line not in (lo + step, hi - step)
         jumps = jumps or (edge and line in (lo + step, hi - step))
-        # two probes did not halve the bracket, or the plan jumps (no line holds between its steps): bisect
-        ctx = _across(seen, lo, hi, step, period, budget, crossed) if jumps else \
-            (lo + hi) // 2 // step * step if stalled else line
-        edge = ctx == line and line in (lo + step, hi - step)
-
-
-def _across(seen: dict[int, int], lo: int, hi: int, step: int, period: int, budget: int, crossed: set[int]) -> int:
-    """The next probe of a plan that jumps after multiples of `period` (none given: the bracket's middle): the
-    multiple inside the bracket nearest its middle; with none inside, the window after `lo` where `lo` is one (the
-    first of a stretch), else where the line through `lo` and `hi` (one stretch) meets the budget, then the window
-    beside the line's on the side of the answer (`crossed`: the line's windows; after two, the middle)."""
-    middle = (lo + hi) // 2 // step * step
-    if not period or not lo or hi not in seen or period % step or step % period == 0:
-        return middle
-    inside = range((lo // period + 1) * period, hi, period)
-    if inside:
-        return min(inside, key=lambda b: abs(b - middle))
-    if lo % period == 0:
-        return lo + step
-    if lo in crossed or hi in crossed:  # the line's window fit (is the next one over?), or did not
-        return lo + step if lo in crossed else hi - step
-    if len(crossed) >= 2:  # not a line after all
-        return middle
-    cross = lo + (budget - seen[lo]) * (hi - lo) // max(1, seen[hi] - seen[lo])
-    cross = min(max(cross // step * step, lo + step), hi - step)
-    crossed.add(cross)
-    return cross
+        ctx = (lo + hi) // 2 // step * step if stalled or jumps else line
+        edge = bracketed and ctx == line and line in (lo + step, hi - step)
 
 
 def _line(seen: dict[int, int], budget: int, step: int, limit: int, fixed: int = 0) -> int:

@@ -23,7 +23,7 @@ from remat.base import collector
 from remat.base.settings import GateRefused, TrainSettings, UsageError
 from remat.core import devices, offload, policies, precision
 from remat.core.graph import TrainGraph
-from remat.core.plan import Plan, mib, placed, plan, rank_share
+from remat.core.plan import PIECE, Plan, mib, placed, plan, rank_share
 from remat.core.recompute import Rewriter, keep_reasons, saved_nodes
 from remat.fastplan import pieces, record, stamp
 from remat.models import stored
@@ -124,6 +124,7 @@ class _Shape:
     stamper: stamp.Stamper | None = None  # a planning model's step stamped from a few layers
     stamped: bool = False  # the stamper was asked for (None: the step does not stamp)
     saved_back: dict[str, policies.Policy] = field(default_factory=dict)  # policies `choose` made, by name
+    all_pieces: bool = False  # a planning model's step with each loss piece its own graph (a save-back's choice)
 
 
 class Planner:
@@ -195,15 +196,15 @@ class Planner:
             at.kept.rewriter = Rewriter(self._traced_step(at))
         return at.kept.rewriter
 
-    def forget_graphs(self, but: StepShape | None = None) -> None:
+    def forget_graphs(self, but: tuple[StepShape, ...] = ()) -> None:
         """Drop the traced steps and keep their plans: a shape asked again is answered from them, and one whose
         graph is needed again (a budget search, a policy not planned yet) is traced again. A server plans each new
         shape a client asks for: kept, every one's graphs (tens of MiB, ~10^5 objects each) would stay, and every
-        full collection would walk them. `but`: the graphs of this shape are kept."""
+        full collection would walk them. `but`: the graphs of these shapes are kept."""
         trainable = [n for n, p in self.model.named_parameters() if p.requires_grad]
-        keep = None if but is None else self._key(but, trainable)[1]
+        keep = {self._key(shape, trainable)[1] for shape in but}
         for key, kept in self._shapes.items():
-            if key == keep:
+            if key in keep:
                 continue
             kept.graphs.clear()
             kept.rewriter, kept.stamper, kept.stamped = None, None, False
@@ -218,6 +219,8 @@ class Planner:
 
     def _trace(self, at: _Step) -> TrainGraph:
         stamper = self._stamper(at)
+        if at.kept.all_pieces:
+            return self._all_pieces(at)
         if stamper is not None:
             return stamper.graph()
         return self._chunk(at.shape) if at.shape.path == "walk" else self._traced(at.shape)
@@ -229,8 +232,9 @@ class Planner:
                           exact=shape.walk != "truncated", probes=self.probes, recorder=record.record,
                           device=self.device, dtype=shape.compute, layers=layers)
 
-    def _traced(self, shape: StepShape) -> TrainGraph:
-        """The step traced whole; on fake weights (only planned, never run) with its loss's pieces stamped."""
+    def _traced(self, shape: StepShape, lumped: bool = True) -> TrainGraph:
+        """The step traced whole; on fake weights (only planned, never run) with its loss's pieces stamped
+        (`lumped`: a few of them, standing for the rest in its plans; else all)."""
         ids = torch.zeros(shape.batch, shape.ctx, dtype=torch.long)
         chunk = shape.loss_chunk
         assert chunk is not None  # settled by `_at`
@@ -241,8 +245,15 @@ class Planner:
 
         if self.planning:
             with contextlib.suppress(stamp.NotStampable):
-                return pieces.stamp(whole, shape.ctx, chunk)
+                return pieces.stamp(whole, shape.ctx, chunk, lumped)
         return whole()
+
+    def _all_pieces(self, at: _Step) -> TrainGraph:
+        """The planned step with every loss piece a graph of its own, where its plans' step stands some for others
+        (`pieces.stamp`'s `lumped`): a save-back choosing among the pieces' values chooses as the step that runs."""
+        if self._stamper(at) is None:
+            return self._traced(at.shape, lumped=False)
+        return stamp.stamp(self.model, lambda layers: self._traced(at.shape, lumped=False), self.picked).graph()
 
     def _stamper(self, at: _Step) -> stamp.Stamper | None:
         """The step of a planning model stamped from a few of its layers' trace (`remat.fastplan.stamp`), made
@@ -352,14 +363,16 @@ class Planner:
                    world_size: int) -> tuple[str, Plan] | None:
         """Between two ladder rungs: save the fitting rung's set plus the values the faster one saves (off: every
         one the backward reads), the costliest to recompute per byte first, as many as fit."""
-        rewriter = self._rewriter(at)
         fit = policies.parse(fitting)
         fast = policies.parse(faster) or policies.everything()
         assert fit is not None
-        kept = keep_reasons(rewriter.tg, fit)
-        extra = [n for n in saved_nodes(rewriter.tg) if n not in kept and fast.saves(n)
-                 and not policies.always_recomputed(n)]  # quant: no float copy of a stored weight is saved back
-        extra.sort(key=lambda n: -policies.recompute_cost(n) / max(1, _nbytes(n)))
+        rewriter = self._rewriter(at)
+        kept, extra = _save_back_candidates(rewriter.tg, fit, fast)
+        if any(n.meta.get(PIECE, (0, 0))[1] for n in extra):  # a piece's values stand for others': each its own
+            at.kept.all_pieces, at.kept.rewriter = True, None  # from now on: the policy made names their nodes
+            at.kept.graphs.clear()
+            rewriter = self._rewriter(at)
+            kept, extra = _save_back_candidates(rewriter.tg, fit, fast)
 
         def saving(k: int) -> tuple[policies.Policy, dict]:
             names = frozenset(n.name for n in extra[:k])
@@ -443,6 +456,17 @@ def _guess(saved: list[int], totals: dict[int, int], lo: int, hi: int, budget: i
     slope = (totals[b] - totals[a]) / (saved[b] - saved[a]) if saved[b] > saved[a] else 1.0
     reach = saved[lo] + (budget - totals[lo]) / max(slope, 1e-9)
     return min(max(bisect.bisect_right(saved, reach) - 1, lo + 1), hi - 1)
+
+
+def _save_back_candidates(tg: TrainGraph, fit: policies.Policy,
+                          fast: policies.Policy) -> tuple[dict, list]:
+    """What `fit` keeps (`keep_reasons`), and the values `fast` saves besides, the costliest to recompute per byte
+    first."""
+    kept = keep_reasons(tg, fit)
+    extra = [n for n in saved_nodes(tg) if n not in kept and fast.saves(n)
+             and not policies.always_recomputed(n)]  # quant: no float copy of a stored weight is saved back
+    extra.sort(key=lambda n: -policies.recompute_cost(n) / max(1, _nbytes(n)))
+    return kept, extra
 
 
 def _nbytes(n) -> int:

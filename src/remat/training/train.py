@@ -20,7 +20,7 @@ from remat.base.files import staged
 from remat.base.settings import RematError, TrainSettings, UsageError, percentile
 from remat.core import devices, precision
 from remat.core.graph import StepInputs, TrainGraph
-from remat.core.plan import Measured, measure, preflight, value_bytes
+from remat.core.plan import Measured, measure, value_bytes
 from remat.core.process import process_peak, resident, return_freed_memory, trim_heap
 from remat.models import adapters
 from remat.models import load as models
@@ -284,7 +284,7 @@ def _setup_gate(s: TrainSettings, dp: distributed.Ranks, model: torch.nn.Module,
         p.runtime, p.trace = runtime, trace
     if dp.is_main:
         hooks.on_plan(admitted.answer())
-    preflight(planner.build(shape, admitted.policy), next(model.parameters()).device)
+    devices.preflight(planner.build(shape, admitted.policy), next(model.parameters()).device)
     return admitted
 
 
