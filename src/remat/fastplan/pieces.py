@@ -16,7 +16,7 @@ A plan needs fewer still (`lumped`): the copies for pieces 2, 3 and N-4 alone, t
 pieces 3 to N-5. A piece's nodes hold what the piece before's held, plus what that one saved for its own
 backward, so none of the pieces left out holds more at any node than piece N-4 does; all they add to the others'
 nodes is what each saved for its backward, alive from piece N-4's forward to its backward (`plan.lumped`). Its
-plans are those of all N pieces, to the byte (`tests/test_stamp.py`), at the cost of seven pieces, not N (qwen3.5's
+plans are those of all N pieces, to the byte (`tests/test_stamp.py`), at the cost of eight pieces, not N (qwen3.5's
 2,588 at 82,816 tokens)."""
 
 from __future__ import annotations
