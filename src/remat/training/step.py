@@ -218,9 +218,9 @@ class Planner:
         return graph
 
     def _trace(self, at: _Step) -> TrainGraph:
-        stamper = self._stamper(at)
         if at.kept.all_pieces:
             return self._all_pieces(at)
+        stamper = self._stamper(at)
         if stamper is not None:
             return stamper.graph()
         return self._chunk(at.shape) if at.shape.path == "walk" else self._traced(at.shape)
