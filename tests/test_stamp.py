@@ -198,7 +198,8 @@ def test_stamped_pieces_with_a_short_last_piece(name):
 def test_stamped_pieces_in_bfloat16():
     """In bfloat16 each piece's backward casts the head's weight (qwen2.5's, tied to the embedding) where it reads
     it (`precision.casts_where_read`): nodes that read no piece's, stamped with their piece (the step was traced with
-    all its pieces at every window of `remat plan --ctx max`). The whole trace's graph, node for node."""
+    all its pieces at every window of `remat plan --ctx max`). The whole trace's graph, node for node; lumped (as a
+    plan stamps it: each copy's backward casts the weight again), its plans, rewritten or not, to the byte."""
     s = TrainSettings(model="qwen2.5-coder-1.5b", ctx=1024, dtype="bfloat16")
     planner = planner_of(s)
     layers = decoder_layers(planner.model)
@@ -209,8 +210,13 @@ def test_stamped_pieces_in_bfloat16():
 
     with picking.only_layers(planner.model, layers, (0, 1, len(layers) - 1)):
         stamped, full = pieces.stamp(whole, s.ctx, 64), whole()
+        lumped = pieces.stamp(whole, s.ctx, 64, lumped=True)
     assert _described(stamped) == _described(full)
     assert plan(stamped).as_dict() == plan(full).as_dict()
+    assert plan(lumped) == plan(full)
+    mine, theirs = Rewriter(lumped), Rewriter(full)
+    for policy in (LAYER, policies.parse("dots"), policies.everything()):  # everything: off where casts are recomputed
+        assert mine.plan(policy) == theirs.plan(policy), policy.name
 
 
 @pytest.mark.parametrize(("model", "traced"), [
