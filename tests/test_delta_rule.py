@@ -120,3 +120,14 @@ def test_the_planned_workspace_is_what_the_op_allocates(tokens):
     assert planned == direct  # the extrapolation is the plan at full size, to the byte
     assert planned >= value_bytes(grads)
     assert real <= planned <= 1.07 * real, (real, planned)
+
+
+def test_the_rules_chunk_is_the_one_the_traced_step_cuts_by():
+    """`chunk_sizes` (where a window's plan jumps, for `remat plan --ctx max`'s search) reads the model's function's
+    default; the oracle is the chunk the layers hand the op in a traced step. A model without the rule has none."""
+    lm = load_model("tiny-qwen35", seed=0)
+    ids = torch.zeros(1, 100, dtype=torch.long)
+    tg = window_step(lm.model, ids, ids.clone())
+    handed = {n.args[7] for n in tg.graph.nodes if n.target is delta_rule.FORWARD}
+    assert handed and delta_rule.chunk_sizes(lm.model) == handed
+    assert delta_rule.chunk_sizes(load_model("tiny-llama", seed=0).model) == set()

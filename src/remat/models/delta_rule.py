@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import inspect
 import sys
 from collections.abc import Callable, Iterator
 
@@ -166,13 +167,25 @@ def _traced_rule(query, key, value, g, beta, chunk_size: int = 64, initial_state
     return out, state if output_final_state else None
 
 
+def _modules(model: nn.Module) -> list:
+    """The modules of the model's code that define the rule."""
+    names = {type(m).__module__ for m in model.modules()}
+    return [sys.modules[n] for n in sorted(names) if n in sys.modules and callable(getattr(sys.modules[n], NAME, None))]
+
+
+def chunk_sizes(model: nn.Module) -> set[int]:
+    """The chunks of tokens the model's rule cuts a window into (its function's default: the layers call it without
+    one): a window's plan jumps one token past each multiple (one chunk more, its padding)."""
+    rules = [_own(getattr(m, NAME)) for m in _modules(model)]
+    # transformers wraps the function in a module (its hub kernels'), whose forward has the function's signature
+    defaults = [inspect.signature(getattr(r, "forward", r)).parameters.get("chunk_size") for r in rules]
+    return {p.default for p in defaults if p is not None and isinstance(p.default, int)}
+
+
 @contextlib.contextmanager
 def swapped(model: nn.Module) -> Iterator[None]:
     """While tracing: the model's Gated DeltaNet modules call the ops instead of their chunk loop."""
-    names = {type(m).__module__ for m in model.modules()}
-    modules = [sys.modules[n] for n in sorted(names)
-               if n in sys.modules and callable(getattr(sys.modules[n], NAME, None))]
-    before = {m: getattr(m, NAME) for m in modules}
+    before = {m: getattr(m, NAME) for m in _modules(model)}
     for m, rule in before.items():
         setattr(m, NAME, functools.partial(_traced_rule, module=m.__name__, own=_own(rule)))
     try:

@@ -15,11 +15,15 @@ and plans) comes with it.
 from __future__ import annotations
 
 import contextlib
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from torch import nn
+
 from remat.base.settings import GateRefused, MiB, TrainSettings, UsageError
 from remat.core.plan import Plan
+from remat.models import delta_rule
 from remat.models import load as models
 from remat.models.hf import UnsupportedModel
 from remat.training import gate
@@ -144,13 +148,13 @@ def _search_path(s: TrainSettings, path: str, step: int, limit: int, budget: gat
     # found (or the first, where none was) is planned under every policy allowed, and where one fits there the
     # search goes on from it, led by that one.
     found, start = None, min(START, answer.limit) // step * step
-    # where a window's plan jumps: one token past a whole number of loss pieces (a walk chunk's pieces are fixed)
-    pieces = 0 if path == "walk" else at(start).loss_chunk or 0
     try:
         smallest(start)
         if reason := _held_over(lead_plan, budget):  # said at once, not after probing down to the shortest window
             answer.reason = reason
             return answer
+        with turn():
+            pieces = 0 if path == "walk" else _period(at(start), planners.planner(at(start), budget).model)
         while True:
             more = search(lambda ctx: smallest(ctx, (lead,)), budget.bytes, step, answer.limit, start,
                           _fixed(lead_plan), period=pieces)
@@ -168,6 +172,13 @@ def _search_path(s: TrainSettings, path: str, step: int, limit: int, budget: gat
     with turn():
         answer.admitted = gate.admit(at(found), budget, world_size=world_size, planners=planners)
     return answer
+
+
+def _period(s: TrainSettings, model: nn.Module) -> int:
+    """Where a window's plan jumps: one token past each multiple of the loss chunk (one loss piece more) and of the
+    model's own chunks of tokens (`delta_rule.chunk_sizes`: qwen3.5's 64, where the loss's are 32), so one past each
+    multiple of their least common multiple (0: none)."""
+    return math.lcm(s.loss_chunk, *delta_rule.chunk_sizes(model)) if s.loss_chunk else 0
 
 
 def _fixed(p: Plan | None) -> int:
@@ -211,10 +222,11 @@ def search(total: Callable[[int], int], budget: int, step: int, limit: int, star
         return _bracket(probe, budget, step, limit, max(step, start), fixed)
     if start >= limit and probe(limit) <= budget:
         return limit
-    ends = _bracket(probe, budget, period, limit // period * period, max(period, start // period * period), fixed)
+    ends = _bracket(probe, budget, period, limit // period * period, max(period, start // period * period), fixed,
+                    past=lambda c: probe(c + step) > budget)
     lo = ends or 0
     last = min(lo + period, limit)  # the stretch's last window: over the budget, or the model's maximum
-    if lo + step > last or (last == limit and probe(last) <= budget):
+    if lo + step > last or (lo + step not in seen and last == limit and probe(last) <= budget):
         return last
     if probe(lo + step) > budget:
         return ends
@@ -224,12 +236,14 @@ def search(total: Callable[[int], int], budget: int, step: int, limit: int, star
 
 
 def _bracket(probe: Callable[[int], int], budget: int, step: int, limit: int, start: int, fixed: int = 0,
-             ends: tuple[int, int] | None = None) -> int | None:
+             ends: tuple[int, int] | None = None, past: Callable[[int], bool] | None = None) -> int | None:
     """`search`'s probes, from `start`, or between `ends` (the first fits, the last does not). The second probe is
     the first's window in proportion to the budget (of what grows with the window: all but `fixed`); then each goes
     where a line through two probes meets it, or the quadratic through three (`_line`), kept inside the bracket;
     where two probes did not halve the bracket, or the line was held at its edge twice running (a plan that jumps:
-    a window a probe), a bisection. Mostly three to six probes."""
+    a window a probe), a bisection. Mostly three to six probes. `past(lo)`: whether what lies past a window that
+    fits is over the budget, so it is the answer, asked where the line puts the answer within a step of it (a
+    search over whole loss pieces: one token more is one piece more, and often what goes over)."""
     seen = {c: probe(c) for c in ends or ()}  # this search's own: a line is drawn through them alone
     lo, hi = ends or (0, limit + step)  # lo fits (0: none yet), hi does not (past the limit: none yet)
     ctx, widths = start, list[int]()  # the bracket's widths, once it has both ends
@@ -245,6 +259,8 @@ def _bracket(probe: Callable[[int], int], budget: int, step: int, limit: int, st
         bracketed = lo > 0 and hi <= limit
         widths += [hi - lo] if bracketed else []
         line = min(max(_line(seen, budget, step, limit, fixed), lo + step), hi - step)
+        if past is not None and ctx == lo and line == lo + step and past(lo):
+            return lo
         stalled = len(widths) > 2 and widths[-1] > widths[-3] // 2 and line not in (lo + step, hi - step)
         jumps = jumps or (edge and line in (lo + step, hi - step))
         ctx = (lo + hi) // 2 // step * step if stalled or jumps else line
