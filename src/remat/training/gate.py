@@ -226,20 +226,23 @@ class Planners:
 
     def planner(self, s: TrainSettings, budget: Budget) -> Planner:
         """The planner of the model `s` trains (its LoRA attached), the LoRA gated against `budget` first."""
-        refuse_lora(s, budget, self.linears())
         lora = lora_settings(s)
         key = None if lora is None else (lora.r, lora.alpha, lora.dropout, tuple(lora.targets or ()), s.weights)
         device = devices.planned(s.device)  # a device's step is traced for it: its kernels, its memory
-        if (key, device) not in self._planners:
+        base = None if (key, device) in self._planners else self.base()
+        refuse_lora(s, budget, self.linears(base))
+        if base is not None:
             # quant: the frozen weights as the loaded model will hold them (a GGUF's blocks; --weights' mix)
-            model = planned.plan_as_stored(self.base(), s.model, s.weights, lora is not None)
+            model = planned.plan_as_stored(base, s.model, s.weights, lora is not None)
             model = model if lora is None else adapters.apply_lora(model, lora, seed=s.seed)
             self._planners[key, device] = Planner(model, device)
         return self._planners[key, device]
 
-    def linears(self) -> list[tuple[str, int, int]]:
+    def linears(self, base: nn.Module | None = None) -> list[tuple[str, int, int]]:
+        """The base's linear layers (`adapters.linear_shapes`), read once (of `base`, a new planning model of it,
+        where given)."""
         if self._linears is None:
-            self._linears = adapters.linear_shapes(self.base())
+            self._linears = adapters.linear_shapes(base if base is not None else self.base())
         return self._linears
 
     def base(self) -> nn.Module:
