@@ -20,7 +20,8 @@ from remat.core.plan import plan
 from remat.core.recompute import LAYER, Rewriter
 from remat.fastplan import picking, pieces, record, stamp
 from remat.models import load as models
-from remat.models.hf import UnsupportedModel, decoder_layers
+from remat.models.hf import UnsupportedModel, decoder_layers, only_layers
+from remat.models.hf_cache import Probes
 from remat.models.steps import window_step
 from remat.training import step
 
@@ -208,7 +209,7 @@ def test_stamped_pieces_in_bfloat16():
     def whole() -> TrainGraph:
         return window_step(planner.model, ids, ids.clone(), loss_chunk=64, dtype=torch.bfloat16)
 
-    with picking.only_layers(planner.model, layers, (0, 1, len(layers) - 1)):
+    with only_layers(planner.model, layers, (0, 1, len(layers) - 1)):
         stamped, full = pieces.stamp(whole, s.ctx, 64), whole()
         lumped = pieces.stamp(whole, s.ctx, 64, lumped=True)
     assert _described(stamped) == _described(full)
@@ -278,6 +279,26 @@ def test_a_planning_models_plans_are_stamped_without_its_graph(monkeypatch, lora
 WALKERS = ("llama", "mistral", "qwen3_5_text", "bamba", "lfm2")  # attention, sliding, delta-net, Mamba-2, conv
 
 
+@pytest.mark.parametrize("name", [*WALKERS, "jamba", "lfm3", "olmo_hybrid"])
+def test_a_planning_models_probes_run_the_stand_ins_alone_and_find_every_layers_states(name):
+    """The walk's probes of a planning model run only the layers a stamp traces, each layer's states its stand-in's
+    renamed (`Probes`' `stand_ins`, `stamp.stand_ins`): the same states, in the same order, and the same layers
+    scanning from zero, as the probes that run every layer."""
+    model = _planning_model(name, DEPTHS.get(name, LAYERS))
+    stand_ins = stamp.stand_ins(model)
+    assert stand_ins is not None and len(set(stand_ins)) < len(stand_ins)
+    cut, whole = Probes(model, stand_ins), Probes(model)
+    try:
+        states = whole.state_shapes(C.BATCH, 2 * C.SEQ)
+    except UnsupportedModel as e:
+        with pytest.raises(UnsupportedModel) as refused:
+            cut.state_shapes(C.BATCH, 2 * C.SEQ)
+        assert str(refused.value) == str(e)
+        return
+    assert list(cut.state_shapes(C.BATCH, 2 * C.SEQ).items()) == list(states.items())
+    assert cut.stand_ins is not None and cut.from_zero == whole.from_zero
+
+
 @pytest.mark.parametrize("walk", ["exact", "truncated"])
 @pytest.mark.parametrize("name", WALKERS)
 def test_a_stamped_walk_chunk_is_the_whole_trace(name, walk):
@@ -294,6 +315,7 @@ def test_a_stamped_walk_chunk_is_the_whole_trace(name, walk):
     assert planner._at(shape).kept.stamper is not None, f"{name}'s walk is traced whole"
     whole = step.Planner(model)
     whole.planning = False  # traced whole, every layer
+    whole.probes = Probes(model)  # the states probed running every layer (the planner's run the stand-ins alone)
     full = whole.build(shape, "off")
     assert _described(stamped) == _described(full)
     assert stamped.names == full.names and stamped.roles == full.roles

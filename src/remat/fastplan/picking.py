@@ -1,18 +1,14 @@
 """Which layers a stamped plan traces (`pick`): the first, and two of each type of layer after it (the type's
 first and its second, or the last layer, which feeds the head, where it is of the type), told apart by their
-`signature` (module classes, weight shapes, the plain settings their modules keep); and the model cut to those
-layers while the small trace runs (`only_layers`, the config's per-layer lists cut with it)."""
+`signature` (module classes, weight shapes, the plain settings their modules keep). The model runs only those
+layers while the small trace runs: `models.hf.only_layers`."""
 
 from __future__ import annotations
 
-import contextlib
 import re
-from collections.abc import Iterator
 from dataclasses import dataclass
 
 from torch import nn
-
-from remat.models.hf import causal_lm
 
 COPIES = 2  # the fewest layers a stamp must spare the trace (with fewer, the small trace is most of the whole)
 
@@ -123,26 +119,3 @@ def difference(a: tuple, b: tuple) -> str:
 
 def qualified_name(model: nn.Module, layers: nn.ModuleList) -> str:
     return next(name for name, m in model.named_modules() if m is layers)
-
-
-@contextlib.contextmanager
-def only_layers(model: nn.Module, layers: nn.ModuleList, keep: tuple[int, ...]) -> Iterator[None]:
-    """The decoder runs only the layers `keep` (the model iterates over its layer list; slices of it by the
-    configured depth stop at the list's end), and its config's per-layer lists (`layer_types`: LFM3 picks each
-    layer's mask and rotary tables by its place in the list) are cut to match."""
-    saved = dict(layers._modules)
-    n, keys = len(saved), list(saved)
-    configs = {id(c): c for m in causal_lm(model).modules() if (c := getattr(m, "config", None)) is not None}
-    lists = [(c, k, v) for c in configs.values() for k, v in vars(c).items()
-             if isinstance(v, (list, tuple)) and len(v) == n]
-    layers._modules = {keys[i]: saved[keys[i]] for i in keep}
-    for c, k, v in lists:
-        setattr(c, k, type(v)(v[i] for i in keep))
-    try:
-        yield
-    finally:
-        layers._modules = saved
-        for c, k, v in lists:
-            setattr(c, k, v)
-
-

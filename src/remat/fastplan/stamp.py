@@ -45,43 +45,55 @@ from remat.core.marks import LAYER_MARK, MARK_OP
 from remat.core.plan import Plan, Storages, planned, sized_storages, storages_of
 from remat.core.policies import Policy, layer_index
 from remat.core.recompute import CLONE_FOR, Rewriter
-from remat.fastplan.picking import NotStampable, Picked, only_layers, pick, qualified_name, signature
-from remat.models.hf import decoder_layers, prepare
+from remat.fastplan.picking import NotStampable, Picked, pick, qualified_name, signature
+from remat.models.hf import UnsupportedModel, decoder_layers, only_layers, prepare
 
 SmallTrace = Callable[[tuple[int, ...]], TrainGraph]  # the step traced while the model runs only these layers
 Inputs = Mapping[str, tuple[str, object]]  # a step's own inputs after the model's tensors: name -> (role, value)
 
 
 def stamp(model: nn.Module, trace_small: SmallTrace, picked: Picked | None = None,
-          inputs: Inputs | None = None) -> Stamper:
+          inputs: Inputs | None = None, graph: bool = False) -> Stamper:
     """The whole model's step from `trace_small(traced)` (the same trace, made while the model runs only the layers
     `Picked.traced`): its graph and plans (`Stamper`); NotStampable, with why, when the model must be traced
     whole. `picked`: the layers an earlier stamp of this model picked (`Stamper.picked`; a model's layers are
     fixed once built), else picked here. `inputs`: the whole step's own inputs, where the small trace has fewer
-    (the walk's: every layer's states), else the small trace's."""
+    (the walk's: every layer's states), else the small trace's. `graph`: the whole graph is wanted (made here,
+    the last check that the model stamps, and kept), else a plan's walk of it (`Stamper.walked`) makes that check."""
     prepare(model)  # the layer marks are numbered by the whole list, before it is cut
     layers = decoder_layers(model)
     if picked is None:
         picked = pick([signature(m) for m in layers])
     try:
-        return _stamped(model, layers, picked, trace_small, inputs)
+        return _stamped(model, layers, picked, trace_small, inputs, graph)
     except NotStampable:
         if not picked.last_copied:
             raise
     # the last layer is not like its type's others beyond what its signature shows (axk1's backward holds more):
     # it stands for itself, from now on (the stamper's `picked`)
-    return _stamped(model, layers, pick([signature(m) for m in layers], last_copied=False), trace_small, inputs)
+    return _stamped(model, layers, pick([signature(m) for m in layers], last_copied=False), trace_small, inputs, graph)
+
+
+def stand_ins(model: nn.Module) -> list[int] | None:
+    """Each layer's stand-in among the layers a stamp traces (the one it is copied from, or itself), for the walk's
+    probes of a planning model (`hf_cache.Probes`); None where the model does not stamp."""
+    try:
+        prepare(model)  # as `stamp` picks
+        picked = pick([signature(m) for m in decoder_layers(model)])
+    except (NotStampable, UnsupportedModel):
+        return None
+    return [picked.traced[picked.source_of(i)] for i in range(picked.n)]
 
 
 def _stamped(model: nn.Module, layers: nn.ModuleList, picked: Picked, trace_small: SmallTrace,
-             inputs: Inputs | None) -> Stamper:
+             inputs: Inputs | None, graph: bool) -> Stamper:
     with only_layers(model, layers, picked.traced):
         try:
             small = trace_small(picked.traced)
         except (KeyError, IndexError) as e:  # a model that keeps tables by layer (Zamba2's) runs no cut list
             raise NotStampable(f"layers {list(picked.traced)} do not run alone: {type(e).__name__} {e}") from e
     stamper = Stamper(small, Numbering(qualified_name(model, layers)), picked, StepInputs.of(model), inputs)
-    stamper.walked  # noqa: B018 - the last checks: NotStampable here, not later
+    stamper.graph() if graph else stamper.walked  # the last checks: NotStampable here, not later
     return stamper
 
 
@@ -236,6 +248,10 @@ class Stamper:
 
     # ------------------------------------------------------------------ the whole graph
     def graph(self) -> TrainGraph:
+        return self.whole
+
+    @functools.cached_property
+    def whole(self) -> TrainGraph:
         small, p = self.small, self.picked
         new = fx.Graph()
         env: dict[tuple[fx.Node, int], fx.Node] = {}  # (small node, the model's layer it stands for) -> new node

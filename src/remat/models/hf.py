@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import sys
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -346,3 +347,24 @@ def _one_sequence_per_row():
         yield
     finally:
         masking_utils.find_packed_sequence_indices = saved
+
+
+@contextlib.contextmanager
+def only_layers(model: nn.Module, layers: nn.ModuleList, keep: tuple[int, ...]) -> Iterator[None]:
+    """The decoder runs only the layers `keep` (the model iterates over its layer list; slices of it by the
+    configured depth stop at the list's end), and its config's per-layer lists (`layer_types`: LFM3 picks each
+    layer's mask and rotary tables by its place in the list) are cut to match."""
+    saved = dict(layers._modules)
+    n, keys = len(saved), list(saved)
+    configs = {id(c): c for m in causal_lm(model).modules() if (c := getattr(m, "config", None)) is not None}
+    lists = [(c, k, v) for c in configs.values() for k, v in vars(c).items()
+             if isinstance(v, (list, tuple)) and len(v) == n]
+    layers._modules = {keys[i]: saved[keys[i]] for i in keep}
+    for c, k, v in lists:
+        setattr(c, k, type(v)(v[i] for i in keep))
+    try:
+        yield
+    finally:
+        layers._modules = saved
+        for c, k, v in lists:
+            setattr(c, k, v)

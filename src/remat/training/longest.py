@@ -242,8 +242,9 @@ def _bracket(probe: Callable[[int], int], budget: int, step: int, limit: int, st
     where a line through two probes meets it, or the quadratic through three (`_line`), kept inside the bracket;
     where two probes did not halve the bracket, or the line was held at its edge twice running (a plan that jumps:
     a window a probe), a bisection. Mostly three to six probes. `past(lo)`: whether what lies past a window that
-    fits is over the budget, so it is the answer, asked where the line puts the answer within a step of it (a
-    search over whole loss pieces: one token more is one piece more, and often what goes over)."""
+    fits is over the budget, so it is the answer, asked where the line through two probes over the budget (which
+    meets it at or past the answer) puts the answer within a step of it (a search over whole loss pieces: one
+    token more is one piece more, and often what goes over)."""
     seen = {c: probe(c) for c in ends or ()}  # this search's own: a line is drawn through them alone
     lo, hi = ends or (0, limit + step)  # lo fits (0: none yet), hi does not (past the limit: none yet)
     ctx, widths = start, list[int]()  # the bracket's widths, once it has both ends
@@ -259,12 +260,17 @@ def _bracket(probe: Callable[[int], int], budget: int, step: int, limit: int, st
         bracketed = lo > 0 and hi <= limit
         widths += [hi - lo] if bracketed else []
         line = min(max(_line(seen, budget, step, limit, fixed), lo + step), hi - step)
-        if past is not None and ctx == lo and line == lo + step and past(lo):
+        if past is not None and ctx == lo and line == lo + step and _over_line(seen, budget) and past(lo):
             return lo
         stalled = len(widths) > 2 and widths[-1] > widths[-3] // 2 and line not in (lo + step, hi - step)
         jumps = jumps or (edge and line in (lo + step, hi - step))
         ctx = (lo + hi) // 2 // step * step if stalled or jumps else line
         edge = bracketed and ctx == line and line in (lo + step, hi - step)
+
+
+def _over_line(seen: dict[int, int], budget: int) -> bool:
+    """Whether `_line` draws its line through two probes over the budget."""
+    return sum(p > budget for p in seen.values()) >= 2
 
 
 def _line(seen: dict[int, int], budget: int, step: int, limit: int, fixed: int = 0) -> int:

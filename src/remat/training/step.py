@@ -141,10 +141,11 @@ class Planner:
         # where the step runs: traced for it (its kernels), planned on it (its memory split from the host's)
         self.device = device or next(model.parameters()).device
         self.ladder = LADDER if devices.is_host(self.device) else DEVICE_LADDER
-        self.probes = Probes(model)  # the walk's: what running the model taught about its states
+        self.planning = any(isinstance(p, FakeTensor) for p in model.parameters())
+        # the walk's: what running the model taught about its states (planning: running the layers a stamp traces)
+        self.probes = Probes(model, stamp.stand_ins(model) if self.planning else None)
         self.picked: stamp.Picked | None = None  # the layers a stamp traces, picked once per model
         self._shapes: dict[tuple, _Shape] = {}
-        self.planning = any(isinstance(p, FakeTensor) for p in model.parameters())
         self.stored = any(stored.stored(model))  # quant: weights held as stored, made float in the step
 
     def _at(self, shape: StepShape) -> _Step:
@@ -220,7 +221,7 @@ class Planner:
     def _trace(self, at: _Step) -> TrainGraph:
         if at.kept.all_pieces:
             return self._all_pieces(at)
-        stamper = self._stamper(at)
+        stamper = self._stamper(at, graph=True)
         if stamper is not None:
             return stamper.graph()
         return self._chunk(at.shape) if at.shape.path == "walk" else self._traced(at.shape)
@@ -255,10 +256,11 @@ class Planner:
             return self._traced(at.shape, lumped=False)
         return stamp.stamp(self.model, lambda layers: self._traced(at.shape, lumped=False), self.picked).graph()
 
-    def _stamper(self, at: _Step) -> stamp.Stamper | None:
+    def _stamper(self, at: _Step, graph: bool = False) -> stamp.Stamper | None:
         """The step of a planning model stamped from a few of its layers' trace (`remat.fastplan.stamp`), made
-        once per shape; None where it is traced whole (a model whose layers do not stamp). A walk's small trace
-        holds its layers' states alone; the whole step's inputs hold every layer's."""
+        once per shape (`graph`: for its whole graph, made with it); None where it is traced whole (a model whose
+        layers do not stamp). A walk's small trace holds its layers' states alone; the whole step's inputs hold
+        every layer's."""
         kept, shape = at.kept, at.shape
         if not kept.stamped:
             kept.stamped = True
@@ -270,9 +272,10 @@ class Planner:
                         inputs = chunk_inputs(self.model, states, shape.batch, shape.ubatch, shape.walk != "truncated",
                                              shape.compute)
                         kept.stamper = stamp.stamp(self.model, lambda layers: self._chunk(shape, layers), self.picked,
-                                                   inputs)
+                                                   inputs, graph)
                     else:
-                        kept.stamper = stamp.stamp(self.model, lambda layers: self._traced(shape), self.picked)
+                        kept.stamper = stamp.stamp(self.model, lambda layers: self._traced(shape), self.picked,
+                                                   graph=graph)
                     self.picked = kept.stamper.picked
         return kept.stamper
 
