@@ -25,7 +25,6 @@ import numpy as np
 import torch
 from gguf.quants import quant_shape_to_byte_shape
 from torch import nn
-from transformers import modeling_gguf_pytorch_utils as hf_gguf
 from transformers.integrations.gguf import is_gguf_arch_supported
 
 from remat.models import quant, stored
@@ -172,6 +171,8 @@ def names(model: nn.Module, arch: str) -> dict[str, str]:
 
 def _processor(model: nn.Module, arch: str) -> Any:
     """transformers' tensor processor for the architecture (the identity for most)."""
+    from transformers import modeling_gguf_pytorch_utils as hf_gguf  # 0.27 s (its tokenizers): not for a plan
+
     config: Any = model.config
     return hf_gguf.TENSOR_PROCESSORS.get(arch, hf_gguf.TensorProcessor)(config=config.to_dict())
 
