@@ -49,7 +49,8 @@ def test_a_plan_that_jumps_at_each_loss_piece_is_searched_piece_by_piece_first()
     """A window one token past a multiple of the loss chunk has one more piece, and its plan jumps there (qwen3.5
     near 82k tokens: 10.6 MiB, where a token adds 0.08): told the period, the search runs over its multiples
     first, then within the one stretch after the last that fits, where the plan is a line. The same answers as
-    every window tried in turn, in fewer probes over the cases, and never more than 17."""
+    every window tried in turn, in fewer probes over the cases, and never more than 17; the same where a window
+    known to fit is given (`floor`)."""
     rng = random.Random(1)
     probes = {0: 0, 1: 0}
     for case in range(300):
@@ -68,6 +69,9 @@ def test_a_plan_that_jumps_at_each_loss_piece_is_searched_piece_by_piece_first()
                          period=period * told)
             assert got == expected and len(tried) <= 17, (case, told, got, expected, tried)
             probes[told] += len(tried)
+        if expected is not None:  # a window known to fit (the search again, under the policy that fits there)
+            floor = rng.randint(1, expected)
+            assert search(total, budget, 1, limit, floor, period=period, floor=floor) == expected, (case, floor)
     assert probes[1] < probes[0] * 0.95, probes
 
 def _check(s: TrainSettings, budget: gate.Budget) -> list:

@@ -29,7 +29,7 @@ from remat.models.hf import UnsupportedModel
 from remat.training import gate
 from remat.training.step import LADDER, StepShape, policy_name
 
-START = 2048  # the first window probed, unless the model's maximum is shorter
+START = 8192  # the first window probed, unless the model's maximum is shorter (2048 took 1-3 probes more)
 
 
 @dataclass
@@ -147,7 +147,7 @@ def _search_path(s: TrainSettings, path: str, step: int, limit: int, budget: gat
     # The search plans one policy a window (the smallest where every one was planned); the window after the one
     # found (or the first, where none was) is planned under every policy allowed, and where one fits there the
     # search goes on from it, led by that one.
-    found, start = None, min(START, answer.limit) // step * step
+    found, start, floor = None, min(START, answer.limit) // step * step, 0
     try:
         smallest(start)
         if reason := _held_over(lead_plan, budget):  # said at once, not after probing down to the shortest window
@@ -157,11 +157,11 @@ def _search_path(s: TrainSettings, path: str, step: int, limit: int, budget: gat
             pieces = 0 if path == "walk" else _period(at(start), planners.planner(at(start), budget).model)
         while True:
             more = search(lambda ctx: smallest(ctx, (lead,)), budget.bytes, step, answer.limit, start,
-                          _fixed(lead_plan), period=pieces)
+                          _fixed(lead_plan), period=pieces, floor=floor)
             found = more or found
             if more == answer.limit or smallest(step if more is None else more + step) > budget.bytes:
                 break
-            start = step if more is None else more + step
+            start = floor = step if more is None else more + step  # where the new lead fits
     except (UnsupportedModel, GateRefused, UsageError) as e:
         answer.reason = f"cannot run: {e}"
         return answer
@@ -205,12 +205,12 @@ def _allowed(recompute: str) -> tuple[str, ...]:
 
 
 def search(total: Callable[[int], int], budget: int, step: int, limit: int, start: int, fixed: int = 0,
-           period: int = 0) -> int | None:
+           period: int = 0, floor: int = 0) -> int | None:
     """The largest multiple of `step` in [step, limit] whose `total` is within `budget`, plans growing with the
     window (None: not even `step`), in few probes (`_bracket`). `fixed`: the part of a plan no window changes (the
     first guess leaves it). `period`: the plan jumps one window past each multiple of it (one loss piece more), so
     the search runs over its multiples first, then within the one stretch after the last that fits, where the plan
-    is a line."""
+    is a line. `floor`: a window known to fit (0: none)."""
     seen: dict[int, int] = {}
 
     def probe(ctx: int) -> int:
@@ -224,12 +224,12 @@ def search(total: Callable[[int], int], budget: int, step: int, limit: int, star
         return limit
     ends = _bracket(probe, budget, period, limit // period * period, max(period, start // period * period), fixed,
                     past=lambda c: probe(c + step) > budget)
-    lo = ends or 0
-    last = min(lo + period, limit)  # the stretch's last window: over the budget, or the model's maximum
+    lo = max(ends or 0, floor)
+    last = min((ends or 0) + period, limit)  # the stretch's last window: over the budget, or the model's maximum
     if lo + step > last or (lo + step not in seen and last == limit and probe(last) <= budget):
         return last
     if probe(lo + step) > budget:
-        return ends
+        return lo or None
     if probe(last) <= budget:
         return last
     return _bracket(probe, budget, step, last, lo + step, fixed, (lo + step, last))
