@@ -44,8 +44,9 @@ TARGET_S = 10.0  # each case, here
 MiB = 1 << 20
 
 
-def run_plan(src: Path, args: list[str], env: dict, limit: float) -> dict:
-    """One `remat plan` process: its seconds, peak RSS (MiB) and plans, or timed_out past `limit`."""
+def run_plan(src: Path, args: list[str], env: dict, limit: float, key: str = "plans") -> dict:
+    """One `remat plan` process: its seconds, peak RSS (MiB) and plans (its JSON's `key`), or timed_out past
+    `limit`."""
     with tempfile.TemporaryFile() as out:
         start = time.monotonic()
         proc = subprocess.Popen([sys.executable, "-m", "remat", "plan", *args, "--json"], cwd=ROOT,
@@ -66,7 +67,7 @@ def run_plan(src: Path, args: list[str], env: dict, limit: float) -> dict:
         if proc.returncode != 0:
             raise SystemExit(f"plan_time: `remat plan {' '.join(args)}` from {src} exited {proc.returncode}")
         out.seek(0)
-        plans = json.loads(out.read())["plans"]
+        plans = json.loads(out.read())[key]
     return {"timed_out": False, "seconds": round(seconds, 2), "peak_rss_mib": round(usage.ru_maxrss / 1024, 1),
             "plans": plans}
 
@@ -76,14 +77,15 @@ def worktree(rev: str, dest: Path) -> Path:
     return dest
 
 
-def measure(checkouts: dict[str, Path], args: list[str], env: dict, rounds: int, limit: float) -> tuple[dict, dict]:
+def measure(checkouts: dict[str, Path], args: list[str], env: dict, rounds: int, limit: float,
+            key: str = "plans") -> tuple[dict, dict]:
     """Each checkout's runs of one case, interleaved (a checkout that timed out is not run again), and the
     plans of each that finished."""
     runs: dict[str, list[dict]] = {name: [] for name in checkouts}
     for _ in range(rounds):
         for name, src in checkouts.items():
             if not any(r["timed_out"] for r in runs[name]):
-                runs[name].append(run_plan(src, args, env, limit))
+                runs[name].append(run_plan(src, args, env, limit, key))
                 print(f"  {name}: {runs[name][-1]['seconds']} s", file=sys.stderr)
     result: dict = {}
     for name, rs in runs.items():
