@@ -116,7 +116,7 @@ def test_the_planned_workspace_is_what_the_op_allocates(tokens):
 
     grads, real = peak_during(run, torch.device("cpu"))
     planned = delta_rule._peak_at(False, _specs(xs, True), tokens, MODULE, 64, True)
-    direct = delta_rule._peak(False, _specs(xs, True), tokens, tokens, module=MODULE, chunk_size=64, l2norm=True)
+    direct = delta_rule._peak(False, _specs(xs, True), module=MODULE, chunk_size=64, l2norm=True)  # at full size
     assert planned == direct  # the extrapolation is the plan at full size, to the byte
     assert planned >= value_bytes(grads)
     assert real <= planned <= 1.07 * real, (real, planned)

@@ -278,7 +278,13 @@ def _peak_at(forward: bool, specs: tuple, tokens: int, module: str, chunk_size: 
     12 chunks one run at full size costs no more than those three."""
     chunks = -(-tokens // chunk_size)
     pad = chunks * chunk_size - tokens
-    run = functools.partial(_peak, forward, specs, tokens, module=module, chunk_size=chunk_size, l2norm=l2norm)
+    flags = FORWARD_TOKENS if forward else BACKWARD_TOKENS
+
+    def run(to: int) -> int:  # kept by the shapes at `to` tokens: every window of this padding asks the same three
+        resized = tuple(None if s is None else (_with_tokens(s[0], to) if has else s[0], s[1])
+                        for s, has in zip(specs, flags))
+        return _peak(forward, resized, module=module, chunk_size=chunk_size, l2norm=l2norm)
+
     if chunks <= 3 + 4 + 5:
         return run(tokens)
     at = {n: run(n * chunk_size - pad) for n in (3, 4, 5)}
@@ -289,14 +295,11 @@ def _peak_at(forward: bool, specs: tuple, tokens: int, module: str, chunk_size: 
 
 
 @functools.lru_cache(maxsize=256)
-def _peak(forward: bool, specs: tuple, tokens: int, to: int, *, module: str, chunk_size: int, l2norm: bool) -> int:
-    """The op's internal peak (bytes of the storages it makes, at most at once), run on the meta device (eager's
-    own kernels' shapes and strides, several times faster than fake tensors) with its inputs resized from
-    `tokens` to `to` tokens."""
+def _peak(forward: bool, specs: tuple, *, module: str, chunk_size: int, l2norm: bool) -> int:
+    """The op's internal peak (bytes of the storages it makes, at most at once) on inputs of these (shape, dtype),
+    run on the meta device (eager's own kernels' shapes and strides, several times faster than fake tensors)."""
     body: Callable[..., object] = _forward if forward else _backward_of
-    flags = FORWARD_TOKENS if forward else BACKWARD_TOKENS
-    ts = [None if s is None else torch.empty(_with_tokens(s[0], to) if has else s[0], dtype=s[1], device="meta")
-          for s, has in zip(specs, flags)]
+    ts = [None if s is None else torch.empty(s[0], dtype=s[1], device="meta") for s in specs]
     peak: list[int] = []
     with plan.watching(peak):
         plan.held_inside(lambda: body(*ts, module, chunk_size, l2norm), ts)
