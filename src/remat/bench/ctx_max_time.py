@@ -9,6 +9,7 @@ Writes results.json, results.md and results.png into --out (default bench/result
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import platform
 import subprocess
@@ -16,7 +17,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from remat.bench.plan_time import ROOT, chart, measure, run_plan, worktree, write_results
+from remat.bench import plan_time
+from remat.bench.plan_time import ROOT, measure, run_plan, seconds_text, worktree, write_results
 
 CASES = [  # (label, remat plan --ctx max arguments): the jobs the longest-window issue timed
     ("SmolLM2-135M GGUF, 400 MiB", ["--memory-budget", "400MiB"]),
@@ -26,6 +28,7 @@ CASES = [  # (label, remat plan --ctx max arguments): the jobs the longest-windo
     ("smollm2-135m, 640 MiB (a window of ~100 tokens)", ["--model", "smollm2-135m", "--memory-budget", "640MiB"]),
 ]
 TARGET_S = 15.0
+XLABEL = "remat plan --ctx max wall time, s (a fresh process, imports included)"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -61,12 +64,8 @@ def main(argv: list[str] | None = None) -> int:
            "target_s": TARGET_S, "machine": f"{platform.machine()}, {os.cpu_count()} CPUs",
            "loadavg_start": load_start, "loadavg_end": [round(x, 2) for x in os.getloadavg()],
            "elapsed_s": round(time.monotonic() - started, 1), "cases": cases}
-    write_results(Path(args.out), res, markdown, plot)
+    write_results(Path(args.out), res, markdown, functools.partial(plan_time.plot, xlabel=XLABEL))
     return 0
-
-
-def _seconds(side: dict, limit: float) -> str:
-    return f"over {limit:.0f}" if side["timed_out"] else f"{side['seconds']:.1f}"
 
 
 def _windows(paths: dict | None) -> str:
@@ -85,7 +84,7 @@ def markdown(res: dict) -> str:
         b, a = c["before"], c["after"]
         ratio = f"{b['seconds'] / a['seconds']:.2f}" if b["seconds"] and a["seconds"] else "n/a"
         same = "n/a" if c["same_windows"] is None else "yes" if c["same_windows"] else "NO"
-        lines.append(f"| {c['case']} | {_seconds(b, limit)} | {_seconds(a, limit)} | {ratio} "
+        lines.append(f"| {c['case']} | {seconds_text(b, limit)} | {seconds_text(a, limit)} | {ratio} "
                      f"| {b['peak_rss_mib'] or 'n/a'} | {a['peak_rss_mib'] or 'n/a'} "
                      f"| {_windows(c['paths'].get('after'))} | {same} "
                      f"| {'yes' if a['seconds'] and a['seconds'] <= target else 'no'} |")
@@ -96,15 +95,6 @@ def markdown(res: dict) -> str:
               f"equal before's. {res['machine']}; load average {res['loadavg_start']} at the start, "
               f"{res['loadavg_end']} at the end; {res['elapsed_s']:.0f} s in all."]
     return "\n".join(lines) + "\n"
-
-
-def plot(res: dict, dest: Path) -> None:
-    limit, cases = res["limit_s"], res["cases"]
-    chart(dest, [c["case"] for c in cases],
-          {side: [c[side]["seconds"] or limit for c in cases] for side in ("before", "after")},
-          texts={side: [_seconds(c[side], limit) for c in cases] for side in ("before", "after")},
-          target=res["target_s"], target_label=f"target {res['target_s']:.0f} s",
-          xlabel="remat plan --ctx max wall time, s (a fresh process, imports included)", height=4.2)
 
 
 if __name__ == "__main__":

@@ -149,7 +149,7 @@ def write_results(out: Path, res: dict, markdown: Callable[[dict], str], plot: C
     print(markdown(res))
 
 
-def _seconds(side: dict, limit: float) -> str:
+def seconds_text(side: dict, limit: float) -> str:
     return f"over {limit:.0f}" if side["timed_out"] else f"{side['seconds']:.1f}"
 
 
@@ -166,7 +166,7 @@ def markdown(res: dict) -> str:
     for c in res["cases"]:
         b, a = c["before"], c["after"]
         ratio = f"{b['seconds'] / a['seconds']:.2f}" if b["seconds"] and a["seconds"] else "n/a"
-        lines.append(f"| {c['case']} | {_seconds(b, limit)} | {_seconds(a, limit)} | {ratio} "
+        lines.append(f"| {c['case']} | {seconds_text(b, limit)} | {seconds_text(a, limit)} | {ratio} "
                      f"| {b['peak_rss_mib'] or 'n/a'} | {a['peak_rss_mib'] or 'n/a'} "
                      f"| {'n/a' if c['same_plan'] is None else 'yes' if c['same_plan'] else 'NO'} "
                      f"| {'yes' if a['seconds'] and a['seconds'] < res['target_s'] else 'no'} |")
@@ -185,14 +185,14 @@ def markdown(res: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def plot(res: dict, dest: Path) -> None:
+def plot(res: dict, dest: Path, xlabel: str = "remat plan wall time, s (a fresh process, imports included)") -> None:
     limit = res["limit_s"]
     cases = res["cases"]
     chart(dest, [c["case"] for c in cases],
           {side: [c[side]["seconds"] or limit for c in cases] for side in ("before", "after")},
-          texts={side: [_seconds(c[side], limit) for c in cases] for side in ("before", "after")},
+          texts={side: [seconds_text(c[side], limit) for c in cases] for side in ("before", "after")},
           target=res["target_s"], target_label=f"target {res['target_s']:.0f} s",
-          xlabel="remat plan wall time, s (a fresh process, imports included)", height=4.2)
+          xlabel=xlabel, height=4.2)
 
 
 def chart(dest: Path, labels: list[str], seconds: dict[str, list[float]], *, target: float, target_label: str,
