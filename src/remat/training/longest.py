@@ -208,7 +208,7 @@ def search(total: Callable[[int], int], budget: int, step: int, limit: int, star
            period: int = 0, floor: int = 0) -> int | None:
     """The largest multiple of `step` in [step, limit] whose `total` is within `budget`, plans growing with the
     window (None: not even `step`), in few probes (`_bracket`). `fixed`: the part of a plan no window changes (the
-    first guess leaves it). `period`: the plan jumps one window past each multiple of it (one loss piece more), so
+    first guess leaves it). `period`: the plan jumps one window past each multiple of it (a loss piece more), so
     the search runs over its multiples first, then within the one stretch after the last that fits, where the plan
     is a line. `floor`: a window known to fit (0: none)."""
     seen: dict[int, int] = {}
