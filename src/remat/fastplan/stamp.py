@@ -168,7 +168,7 @@ def backward_starts(tg: TrainGraph, label: dict[fx.Node, int], count: int, refus
 class Numbering:
     """Layer numbers in tensor names: `{decoder list}.{i}.` (`model.layers.3.mlp.up_proj.weight`, and the walk's
     gradient sum of it, `grad.model.layers.3....`), and the walk's states (`k.3`, `grad.v.3`, `conv.3.1`,
-    `grad_start.recurrent.3`: `models.steps.state_layer`)."""
+    `grad_start.recurrent.3`: `models.hf_cache.state_layer`)."""
 
     STATE = re.compile(r"^(?:grad(?:_start)?\.)?(?:k|v|conv|recurrent)\.(\d+)(?:\.\d+)?$")
 

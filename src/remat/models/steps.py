@@ -37,7 +37,7 @@ from remat.core.capture import Recorder, Seeded, into, trace
 from remat.core.graph import TrainGraph
 from remat.models import delta_rule
 from remat.models.hf import UnsupportedModel, causal_lm, causal_lm_loss, model_loss, prepare
-from remat.models.hf_cache import ExactWalkCache, Probes, WalkCache, walking
+from remat.models.hf_cache import ExactWalkCache, Probes, WalkCache, state_layer, walking
 from remat.models.stored import compute_dtype, made_in
 
 
@@ -189,11 +189,6 @@ def _arriving(buffer: torch.Tensor, offset: torch.Tensor, chunk: int):
     made here, in the layer's backward, from the offset (not read from the forward's: a node every layer's backward
     read would not belong to one layer, and a stamped plan splits the step by layer)."""
     return lambda g: g + buffer.index_select(2, offset + torch.arange(chunk, device=offset.device))
-
-
-def state_layer(name: str) -> int:
-    """The layer a walk state belongs to, by its name (`k.3`, `recurrent.3`, `conv.3.1`, `grad.k.3`, ...)."""
-    return int(name.removeprefix("grad_start.").removeprefix("grad.").split(".")[1])
 
 
 def chunk_inputs(model: nn.Module, shapes: dict[str, tuple[int, ...]], batch: int, ubatch: int, exact: bool,
