@@ -54,13 +54,13 @@ def test_an_explicit_dtype_is_taken_as_asked(fresh_resolve, asked, dtype):
 
 @pytest.mark.parametrize("flags, named", [({"avx512_bf16", "avx512f"}, "AVX512-BF16"), ({"amx_bf16"}, "AMX-BF16")])
 def test_auto_is_bfloat16_on_a_cpu_that_computes_it(fresh_resolve, monkeypatch, flags, named):
-    monkeypatch.setattr(precision, "_cpu_flags", lambda: frozenset(flags))
+    monkeypatch.setattr(precision, "cpu_flags", lambda: frozenset(flags))
     p = fresh_resolve("auto")
     assert p.dtype == BF16 and p.reason.startswith("auto:") and named in p.reason, p
 
 
 def test_auto_is_float32_on_a_cpu_without_bfloat16(fresh_resolve, monkeypatch):
-    monkeypatch.setattr(precision, "_cpu_flags", lambda: frozenset({"avx2", "avx512f"}))
+    monkeypatch.setattr(precision, "cpu_flags", lambda: frozenset({"avx2", "avx512f"}))
     monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX512")
     p = fresh_resolve("auto")
     assert p.dtype == torch.float32 and "no native bfloat16" in p.reason, p
@@ -68,7 +68,7 @@ def test_auto_is_float32_on_a_cpu_without_bfloat16(fresh_resolve, monkeypatch):
 
 def test_auto_on_this_machine_follows_its_cpu_flags(fresh_resolve):
     p = fresh_resolve("auto")
-    native = bool(precision._cpu_flags() & set(precision.NATIVE_BF16))
+    native = bool(precision.cpu_flags() & set(precision.NATIVE_BF16))
     assert (p.dtype == BF16) == (native or "AMX" in torch.backends.cpu.get_cpu_capability()), p
 
 

@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 import torch
 
-from remat.models import quant
+from remat.base.settings import Note
+from remat.models import native, quant
 from remat.models.load import default_gguf_path
 
 Q = gguf.GGMLQuantizationType
@@ -112,3 +113,59 @@ def test_the_fake_kernel_sizes_the_float_copy():
         blocks = torch.empty(1536, 360, dtype=torch.uint8)
         out = torch.ops.remat.dequantize(blocks, int(Q.Q4_1), [1536, 576], torch.float32)
     assert out.shape == (1536, 576) and out.dtype == torch.float32
+
+
+# ------------------------------------------------------------------------------------ the compiled kernels
+
+FINITE_HALVES = np.array([0x0000, 0x8000, 0x0001, 0x8001, 0x03FF, 0x0400, 0x7BFF, 0xFBFF, 0x3C00, 0x1400, 0xB800],
+                         dtype=np.uint16)
+
+
+def _finite_blocks(qtype: Q, blocks: int, seed: int) -> np.ndarray:
+    """Random blocks whose half scales are finite: random halves, and the extremes (zeros, subnormals, the
+    largest) in every third block."""
+    rng = np.random.default_rng(seed)
+    raw = rng.integers(0, 256, (blocks, gguf.GGML_QUANT_SIZES[qtype][1]), dtype=np.uint8)
+    for at in SCALES[qtype]:
+        h = rng.integers(0, 1 << 16, blocks).astype(np.uint16)
+        h[(h & 0x7C00) == 0x7C00] ^= 0x4000  # no infinity or NaN
+        h[::3] = FINITE_HALVES[rng.integers(0, len(FINITE_HALVES), len(h[::3]))]
+        raw[:, at:at + 2] = h.view(np.uint8).reshape(-1, 2)
+    return raw
+
+
+@pytest.mark.parametrize("qtype", sorted(native.TYPES), ids=lambda q: Q(q).name)
+def test_the_compiled_kernels_bit_for_bit(qtype, monkeypatch):
+    """Every block type the C kernels make, into float32 and bfloat16, against gguf-py (bfloat16: its values cast
+    by torch), on enough blocks that two threads each make a share; the op makes them there, not by torch ops."""
+    assert native.library() is not None, "this machine has a C compiler: the kernels must build"
+    raw = _finite_blocks(Q(qtype), 3000, seed=int(qtype))
+    want = torch.from_numpy(gguf.quants.dequantize(raw, Q(qtype)).reshape(len(raw), -1))
+    monkeypatch.setitem(quant._KERNELS, qtype, None)  # the torch kernel, were it called, would fail
+    for dtype, bits in ((torch.float32, torch.int32), (torch.bfloat16, torch.int16)):
+        got = quant.dequantize(torch.from_numpy(raw), int(qtype), list(want.shape), dtype)
+        assert got.dtype == dtype and torch.equal(got.view(bits), want.to(dtype).view(bits)), dtype
+
+
+@pytest.mark.parametrize("qtype", sorted(native.TYPES), ids=lambda q: Q(q).name)
+def test_a_scale_not_finite_leaves_the_weight_to_the_torch_kernels(qtype):
+    raw = _finite_blocks(Q(qtype), 40, seed=5)
+    assert native.dequantize(torch.from_numpy(raw), int(qtype), torch.float32) is not None
+    raw[37, SCALES[Q(qtype)][-1]:][:2] = SPECIAL_HALVES[:1].view(np.uint8)  # one block's scale: +infinity
+    assert native.dequantize(torch.from_numpy(raw), int(qtype), torch.float32) is None
+    with np.errstate(all="ignore"):
+        want = gguf.quants.dequantize(raw, Q(qtype))
+        assert (_bits(_ours(raw, Q(qtype), want.shape)) == _bits(want)).all()
+
+
+def test_without_a_compiler_the_torch_kernels_make_the_shipped_weights(monkeypatch, tmp_path):
+    """No C compiler: said once, as a note, and every tensor of the shipped GGUF still bit for bit."""
+    native.library.cache_clear()
+    monkeypatch.setenv("PATH", str(tmp_path))
+    monkeypatch.delenv("CC", raising=False)
+    try:
+        with pytest.warns(Note, match="no C compiler"):
+            assert native.library() is None
+        test_every_tensor_of_the_shipped_gguf()
+    finally:
+        native.library.cache_clear()

@@ -10,6 +10,7 @@ import peft
 import pytest
 import torch
 import transformers
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from planning import planner_of
 from remat.base.settings import Note, TrainSettings
@@ -77,6 +78,35 @@ def test_gguf_weights_stay_in_their_blocks_and_read_as_transformers_loads_them(g
     if gguf_path.name == "tied.gguf":  # one parameter of bytes for the embedding and the head
         head, embedding = loaded.lm_head.parametrizations.weight, loaded.model.embed_tokens.parametrizations.weight
         assert head.original is embedding.original
+
+
+class _MadeShapes(TorchDispatchMode):
+    """Records the shape of every weight `remat::dequantize` makes."""
+
+    def __init__(self):
+        super().__init__()
+        self.made: list[tuple[int, ...]] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func is quant.DEQUANTIZE:
+            self.made.append(tuple(out.shape))
+        return out
+
+
+def test_a_stored_embedding_makes_only_the_rows_it_looks_up(gguf_path):
+    loaded = models.load_model(str(gguf_path)).model
+    emb = loaded.get_input_embeddings()
+    ids = torch.tensor([[5, 0, 258], [5, 7, 7]])
+    whole = torch.nn.functional.embedding(ids, emb.weight)  # the table made whole, then looked up
+    with _MadeShapes() as seen:
+        got = emb(ids)
+    assert torch.equal(got.view(torch.int32), whole.view(torch.int32))
+    assert seen.made == [(6, emb.embedding_dim)]
+    stored.to_float(loaded)  # a float table again: the class's own lookup
+    with _MadeShapes() as seen:
+        again = emb(ids)
+    assert torch.equal(again.view(torch.int32), whole.view(torch.int32)) and seen.made == []
 
 
 def test_a_load_maps_each_tensor_as_gguf_py_reads_it(tmp_path):

@@ -56,7 +56,8 @@ class Precision:
 
 
 @functools.cache
-def _cpu_flags() -> frozenset[str]:
+def cpu_flags() -> frozenset[str]:
+    """The CPU's features as /proc/cpuinfo names them (x86; empty where it cannot be read)."""
     try:
         text = Path("/proc/cpuinfo").read_text()
     except OSError:
@@ -67,7 +68,7 @@ def _cpu_flags() -> frozenset[str]:
 
 def _native_bf16_cpu() -> str | None:
     """The CPU's instructions that compute bfloat16 natively, or None."""
-    found = [f.upper().replace("_", "-") for f in NATIVE_BF16 if f in _cpu_flags()]
+    found = [f.upper().replace("_", "-") for f in NATIVE_BF16 if f in cpu_flags()]
     if not found and "AMX" in torch.backends.cpu.get_cpu_capability():  # no /proc/cpuinfo: torch's own dispatch
         found = ["AMX"]
     return ", ".join(found) or None

@@ -19,6 +19,7 @@ import gguf
 import torch
 
 from remat.core import policies
+from remat.models import native
 
 Q = gguf.GGMLQuantizationType
 QK_K = gguf.QK_K
@@ -191,6 +192,9 @@ def dequantize(blocks: torch.Tensor, qtype: int, shape: Sequence[int], dtype: to
         raise ValueError(f"{blocks.dtype} blocks of {blocks.numel()} bytes do not hold a {Q(qtype).name} "
                          f"tensor of shape {list(shape)}")
     rows, kernel = blocks.reshape(-1, size), _KERNELS[qtype]
+    made = native.dequantize(rows, qtype, dtype)  # one pass, where this machine built the compiled kernels
+    if made is not None:
+        return made.reshape(shape)
     if dtype == torch.float32 or rows.device.type != "cpu":  # pieces are for a CPU's cache
         return kernel(rows).reshape(shape).to(dtype)
     out = rows.new_empty((len(rows), gguf.GGML_QUANT_SIZES[Q(qtype)][0]), dtype=dtype)

@@ -6,7 +6,8 @@ So the model's own code sees its float weight, eager or traced; a traced step re
 placeholder and makes the float weight in the graph, where the rewrite recomputes it for the backward under
 every policy (`remat.core.policies.ALWAYS_RECOMPUTED`): a layer's float weight exists while the layer computes.
 PEFT wraps the layers by their names as before, so an adapter's keys are the same as on a float base. Modules
-that share a weight (a tied embedding and head) share one parameter of bytes.
+that share a weight (a tied embedding and head) share one parameter of bytes. A stored `nn.Embedding` makes only the
+rows it looks up (`look_up_rows`), not its whole table.
 
 Training a stored weight needs a float copy: full fine-tuning loads the model in float32 (`to_float`), as
 serving and merging an adapter do for now.
@@ -15,6 +16,7 @@ serving and merging an adapter do for now.
 from __future__ import annotations
 
 import contextlib
+import types
 from collections.abc import Iterator
 
 import gguf
@@ -95,8 +97,32 @@ def keep(model: nn.Module, weights: dict[str, tuple[torch.Tensor, int]]) -> None
                              f"{list(shape)}")
         held = nn.Parameter(blocks, requires_grad=False)
         for module, attr in holders[id(p)]:
+            plain_embedding = type(module) is nn.Embedding and attr == "weight" and module.max_norm is None
             setattr(module, attr, held)
             parametrize.register_parametrization(module, attr, Stored(qtype, shape), unsafe=True)
+            if plain_embedding:
+                module.forward = types.MethodType(look_up_rows, module)
+
+
+def look_up_rows(emb: nn.Embedding, ids: torch.Tensor) -> torch.Tensor:
+    """A stored embedding's forward: the rows of blocks looked up, then made float, so the table is never made
+    whole (SmolLM2's: 28 M values for a window's 256 tokens, in every step). The same values: a row's values are
+    its own blocks'. A bound method, so a deep copy of the model looks up in its own copy."""
+    s, blocks = stored_of(emb)
+    if s.peek:
+        return nn.functional.embedding(ids, emb.weight)
+    flat = ids.reshape(-1)
+    looked_up = torch.ops.remat.dequantize(blocks.index_select(0, flat), s.qtype, (flat.numel(), s.shape[-1]),
+                                           s.dtype)
+    return looked_up.reshape(*ids.shape, s.shape[-1])
+
+
+def stored_of(module: nn.Module, attr: str = "weight") -> tuple[Stored, torch.Tensor]:
+    """The module's stored weight: its parametrization and its bytes (KeyError where it has none)."""
+    plist = getattr(module, "parametrizations", {})[attr]
+    if not isinstance(plist[0], Stored):
+        raise KeyError(attr)
+    return plist[0], plist.original
 
 
 def stored(model: nn.Module) -> Iterator[tuple[str, Stored, torch.Tensor]]:
@@ -135,6 +161,8 @@ def to_float(model: nn.Module, dtype: torch.dtype = torch.float32) -> nn.Module:
                     floats[key] = nn.Parameter(getattr(module, attr).to(dtype))
             parametrize.remove_parametrizations(module, attr, leave_parametrized=False)
             setattr(module, attr, floats[key])
+            if getattr(module.forward, "__func__", None) is look_up_rows:
+                del module.forward  # its class's own again
     return model
 
 

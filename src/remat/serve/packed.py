@@ -24,7 +24,7 @@ A packed layer keeps its stored weight (its bytes under `remat.models.stored.Sto
 changes: reading `.weight` still gives the float weight, PEFT wraps the layer by its name as before and its
 adapters add their float32 product to the packed one. The packed copy is the serving copy's bytes
 (`Packed.nbytes`): the Engine reports them. An embedding stored in blocks (a tied Q8_0 head's) looks its rows up
-in the blocks and dequantizes only those rows.
+in the blocks as it does in training (`stored.look_up_rows`).
 """
 
 from __future__ import annotations
@@ -181,27 +181,10 @@ def _linear_forward(layer: nn.Linear, weight: Packed):
     return forward
 
 
-def _embedding_forward(emb: nn.Embedding, blocks: torch.Tensor, qtype: int):
-    dim = emb.embedding_dim
-
-    def forward(ids: torch.Tensor) -> torch.Tensor:
-        flat = ids.reshape(-1)
-        rows = torch.ops.remat.dequantize(blocks[flat], qtype, (flat.numel(), dim), torch.float32)
-        return rows.reshape(*ids.shape, dim)
-    return forward
-
-
 def _plain(module: nn.Module, cls: type) -> bool:
     """The module is a `cls` with its own forward (parametrize makes a subclass of the module's class)."""
     base = type(module).__bases__[0] if parametrize.is_parametrized(module) else type(module)
     return base is cls
-
-
-def _stored_of(module: nn.Module) -> tuple[stored.Stored, torch.Tensor] | None:
-    plists = getattr(module, "parametrizations", {})
-    if "weight" in plists and isinstance(plists["weight"][0], stored.Stored):
-        return plists["weight"][0], plists["weight"].original
-    return None
 
 
 def pack_model(model: nn.Module) -> dict[str, int]:
@@ -213,10 +196,10 @@ def pack_model(model: nn.Module) -> dict[str, int]:
     out = {"packed": 0, "layers": 0, "float": 0}
     left: list[tuple[nn.Module, torch.Tensor]] = []
     for module in model.modules():
-        found = _stored_of(module)
-        if found is None:
+        try:
+            s, blocks = stored.stored_of(module)
+        except KeyError:
             continue
-        s, blocks = found
         if (isinstance(module, nn.Linear) and _plain(module, nn.Linear) and s.qtype in PACKABLE
                 and module.in_features % GROUP == 0):
             if id(blocks) not in copies:
@@ -225,8 +208,8 @@ def pack_model(model: nn.Module) -> dict[str, int]:
             weight = copies[id(blocks)]  # without a bias, the layer's forward is the product's
             module.forward = weight.mm if module.bias is None else _linear_forward(module, weight)  # type: ignore[method-assign]
             out["layers"] += 1
-        elif isinstance(module, nn.Embedding) and _plain(module, nn.Embedding) and module.max_norm is None:
-            module.forward = _embedding_forward(module, blocks, s.qtype)  # type: ignore[method-assign]
+        elif getattr(module.forward, "__func__", None) is stored.look_up_rows:
+            pass  # made row by row as looked up
         else:
             left.append((module, blocks))
     out["float"] = _make_float(left)

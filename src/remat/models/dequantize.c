@@ -1,0 +1,159 @@
+/* GGUF blocks to float32 or bfloat16 in one pass: remat's compiled kernels (remat/models/native.py builds this file).
+ *
+ * Each kernel is the torch kernel of remat/models/quant.py written out per element: the same float32 operations in
+ * the same order, so the values equal gguf-py's `gguf.quants.dequantize` bit for bit (tests/test_quant.py). Built
+ * with -ffp-contract=off: a multiply-add fused into one rounding would differ. Blocks whose half scales are not
+ * finite are not made here (the call answers 1 and quant.py's torch kernels, which keep numpy's NaN payloads, make
+ * the tensor): with finite scales no value is NaN, so no payload rule applies.
+ *
+ * Why not torch ops: a tensor of more than 256 KiB is a fresh mmap in remat's process (core/process.py), and this
+ * machine's page faults cost ~0.3 ms a MiB; the torch kernels make three to five such tensors per weight, this one
+ * writes the weight once. */
+#include <pthread.h>
+#include <stdint.h>
+#include <string.h>
+
+enum { Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14 };
+
+static int finite_half(const uint8_t *p) { return (((p[0] | p[1] << 8) & 0x7C00) != 0x7C00); }
+
+static float half(const uint8_t *p) {  /* a finite half, exactly */
+    uint32_t h = p[0] | p[1] << 8, sign = (h & 0x8000) << 16, e = (h >> 10) & 0x1F, m = h & 0x3FF, u;
+    float f;
+    if (e == 0) {  /* zero or subnormal: m * 2^-24, exact */
+        f = (float)m * 5.9604644775390625e-08f;
+        memcpy(&u, &f, 4);
+        u |= sign;
+    } else {
+        u = sign | (e + 112) << 23 | m << 13;
+    }
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+/* One block's values into y (32 or 256 floats); 0, or 1 where a scale is not finite. */
+static int block(int qtype, const uint8_t *b, float *restrict y) {
+    switch (qtype) {
+    case Q4_0: {
+        if (!finite_half(b)) return 1;
+        const float d = half(b);
+        for (int j = 0; j < 16; j++) {
+            y[j] = ((float)(b[2 + j] & 0x0F) - 8.0f) * d;
+            y[j + 16] = ((float)(b[2 + j] >> 4) - 8.0f) * d;
+        }
+        return 0;
+    }
+    case Q4_1: {
+        if (!finite_half(b) || !finite_half(b + 2)) return 1;
+        const float d = half(b), m = half(b + 2);
+        for (int j = 0; j < 16; j++) {
+            y[j] = (float)(b[4 + j] & 0x0F) * d + m;
+            y[j + 16] = (float)(b[4 + j] >> 4) * d + m;
+        }
+        return 0;
+    }
+    case Q5_0: case Q5_1: {
+        const int one = qtype == Q5_1, qs = one ? 8 : 6;
+        if (!finite_half(b) || (one && !finite_half(b + 2))) return 1;
+        const float d = half(b), m = one ? half(b + 2) : 0.0f;
+        const uint32_t qh = b[qs - 4] | b[qs - 3] << 8 | b[qs - 2] << 16 | (uint32_t)b[qs - 1] << 24;
+        for (int j = 0; j < 16; j++) {
+            const float lo = (float)((b[qs + j] & 0x0F) | ((qh >> j) & 1) << 4);
+            const float hi = (float)((b[qs + j] >> 4) | ((qh >> (j + 16)) & 1) << 4);
+            y[j] = one ? lo * d + m : (lo - 16.0f) * d;
+            y[j + 16] = one ? hi * d + m : (hi - 16.0f) * d;
+        }
+        return 0;
+    }
+    case Q8_0: {
+        if (!finite_half(b)) return 1;
+        const float d = half(b);
+        for (int j = 0; j < 32; j++) y[j] = (float)(int8_t)b[2 + j] * d;
+        return 0;
+    }
+    case Q4_K: case Q5_K: {
+        if (!finite_half(b) || !finite_half(b + 2)) return 1;
+        const float d = half(b), dmin = half(b + 2);
+        const uint8_t *s = b + 4, *qh = b + 16, *qs = qtype == Q5_K ? b + 48 : b + 16;
+        for (int i = 0; i < 8; i++) {  /* sub-block i: nibbles of bytes 32 (i / 2) .. +31, low then high */
+            const int sc = i < 4 ? s[i] & 0x3F : (s[i + 4] & 0x0F) | ((s[i - 4] >> 2) & 0x30);
+            const int mn = i < 4 ? s[i + 4] & 0x3F : (s[i + 4] >> 4) | ((s[i] >> 2) & 0x30);
+            const float ds = d * (float)sc, dm = dmin * (float)mn;
+            const uint8_t *q = qs + 32 * (i / 2);
+            for (int l = 0; l < 32; l++) {
+                int v = (q[l] >> (4 * (i & 1))) & 0x0F;
+                if (qtype == Q5_K) v |= ((qh[l] >> i) & 1) << 4;
+                y[32 * i + l] = (float)v * ds - dm;
+            }
+        }
+        return 0;
+    }
+    case Q6_K: {
+        if (!finite_half(b + 208)) return 1;
+        const float d = half(b + 208);
+        const uint8_t *ql = b, *qh = b + 128;
+        for (int g = 0; g < 16; g++) {  /* 16 groups of 16, each with its int8 scale */
+            const float dg = d * (float)(int8_t)b[192 + g];
+            for (int k = 0; k < 16; k++) {
+                const int e = 16 * g + k, h = e / 128, r = e % 128;
+                const int lo = (ql[64 * h + r % 64] >> (4 * (r / 64))) & 0x0F;
+                const int hi = (qh[32 * h + r % 32] >> (2 * (r / 32))) & 3;
+                y[e] = dg * (float)((int8_t)(uint8_t)(lo | hi << 4) - 32);
+            }
+        }
+        return 0;
+    }
+    }
+    return -1;
+}
+
+static uint16_t bfloat16(float f) {  /* round to nearest even, as torch casts a finite float */
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    return (uint16_t)((u + 0x7FFF + ((u >> 16) & 1)) >> 16);
+}
+
+typedef struct {
+    int qtype, bf16, status;
+    int64_t first, count, size, values;
+    const uint8_t *blocks;
+    void *out;
+} job;
+
+static void *run(void *arg) {
+    job *w = arg;
+    float y[256];
+    for (int64_t i = w->first; i < w->first + w->count; i++) {
+        float *dst = w->bf16 ? y : (float *)w->out + i * w->values;
+        int status = block(w->qtype, w->blocks + i * w->size, dst);
+        if (status) { w->status = status; return NULL; }
+        if (w->bf16)
+            for (int64_t j = 0; j < w->values; j++) ((uint16_t *)w->out)[i * w->values + j] = bfloat16(y[j]);
+    }
+    return NULL;
+}
+
+/* `count` blocks of `size` bytes and `values` values each into `out` (float32, or bfloat16 where bf16 is set), on
+ * `threads` threads. 0: done; 1: a scale is not finite (out is partly written); -1: not a type of this file. */
+int remat_dequantize(int qtype, const uint8_t *blocks, int64_t count, int64_t size, int64_t values, void *out,
+                     int bf16, int threads) {
+    enum { MAX = 64 };
+    job jobs[MAX];
+    pthread_t ids[MAX];
+    int started[MAX] = {0}, status = 0;
+    threads = threads < 1 ? 1 : threads > MAX ? MAX : threads;
+    if (threads > count) threads = count > 1 ? (int)count : 1;
+    const int64_t per = (count + threads - 1) / threads;
+    for (int t = 0; t < threads; t++) {
+        const int64_t first = t * per, n = count - first < per ? count - first : per;
+        jobs[t] = (job){qtype, bf16, 0, first, n, size, values, blocks, out};
+        started[t] = t > 0 && pthread_create(&ids[t], NULL, run, &jobs[t]) == 0;
+        if (t > 0 && !started[t]) run(&jobs[t]);  /* no thread to be had: this one does its share */
+    }
+    run(&jobs[0]);
+    for (int t = 0; t < threads; t++) {
+        if (started[t]) pthread_join(ids[t], NULL);
+        if (jobs[t].status && !status) status = jobs[t].status;
+    }
+    return status;
+}
