@@ -137,14 +137,22 @@ def _finite_blocks(qtype: Q, blocks: int, seed: int) -> np.ndarray:
 @pytest.mark.parametrize("qtype", sorted(native.TYPES), ids=lambda q: Q(q).name)
 def test_the_compiled_kernels_bit_for_bit(qtype, monkeypatch):
     """Every block type the C kernels make, into float32 and bfloat16, against gguf-py (bfloat16: its values cast
-    by torch), on enough blocks that two threads each make a share; the op makes them there, not by torch ops."""
+    by torch), on one thread and on three (3,001 blocks: uneven shares); the op makes them there, not by torch
+    ops."""
     assert native.library() is not None, "this machine has a C compiler: the kernels must build"
-    raw = _finite_blocks(Q(qtype), 3000, seed=int(qtype))
+    raw = _finite_blocks(Q(qtype), 3001, seed=int(qtype))
     want = torch.from_numpy(gguf.quants.dequantize(raw, Q(qtype)).reshape(len(raw), -1))
     monkeypatch.setitem(quant._KERNELS, qtype, None)  # the torch kernel, were it called, would fail
-    for dtype, bits in ((torch.float32, torch.int32), (torch.bfloat16, torch.int16)):
-        got = quant.dequantize(torch.from_numpy(raw), int(qtype), list(want.shape), dtype)
-        assert got.dtype == dtype and torch.equal(got.view(bits), want.to(dtype).view(bits)), dtype
+    monkeypatch.setattr(native, "ONE_THREAD", 0)
+    threads = torch.get_num_threads()
+    try:
+        for n, dtype, bits in ((1, torch.float32, torch.int32), (3, torch.float32, torch.int32),
+                               (1, torch.bfloat16, torch.int16), (3, torch.bfloat16, torch.int16)):
+            torch.set_num_threads(n)
+            got = quant.dequantize(torch.from_numpy(raw), int(qtype), list(want.shape), dtype)
+            assert got.dtype == dtype and torch.equal(got.view(bits), want.to(dtype).view(bits)), (n, dtype)
+    finally:
+        torch.set_num_threads(threads)
 
 
 @pytest.mark.parametrize("qtype", sorted(native.TYPES), ids=lambda q: Q(q).name)
@@ -169,3 +177,25 @@ def test_without_a_compiler_the_torch_kernels_make_the_shipped_weights(monkeypat
         test_every_tensor_of_the_shipped_gguf()
     finally:
         native.library.cache_clear()
+
+
+def test_a_weights_memory_is_used_again_once_it_is_freed(monkeypatch):
+    """The compiled kernels make a weight in memory a freed weight of its size held (fresh pages cost more than the
+    values): not while any tensor on it lives, and never more than `kept` bytes wait unused."""
+    monkeypatch.setattr(native, "BUFFERS", native.Buffers(kept=1 << 20))
+    raw = torch.from_numpy(_finite_blocks(Q.Q8_0, 256, seed=6))  # 32 KiB of float32
+    first = native.dequantize(raw, int(Q.Q8_0), torch.float32)
+    view = first[3:]
+    at = first.data_ptr()
+    del first
+    second = native.dequantize(raw, int(Q.Q8_0), torch.float32)
+    assert second.data_ptr() != at  # a view of the first still lives
+    del view
+    third = native.dequantize(raw, int(Q.Q8_0), torch.float32)
+    assert third.data_ptr() == at and torch.equal(third, second)
+    buffers = native.Buffers(kept=3 * 1024)
+    lent = [buffers.take(1024) for _ in range(5)]
+    big = buffers.take(4096)
+    assert buffers.waiting == 0
+    del lent, big
+    assert buffers.waiting == 3 * 1024 and len(buffers.free[1024]) == 3 and 4096 not in buffers.free

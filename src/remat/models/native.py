@@ -16,10 +16,13 @@ import os
 import shutil
 import subprocess
 import tempfile
+import threading
 import warnings
+import weakref
 from pathlib import Path
 
 import gguf
+import numpy as np
 import torch
 
 from remat.base.settings import Note
@@ -85,8 +88,46 @@ def dequantize(rows: torch.Tensor, qtype: int, dtype: torch.dtype) -> torch.Tens
         return None
     values, size = gguf.GGML_QUANT_SIZES[Q(qtype)]
     rows = rows.contiguous()
-    out = torch.empty((len(rows), values), dtype=dtype)
+    out = BUFFERS.take(len(rows) * values * dtype.itemsize).view(dtype).view(len(rows), values)
     threads = torch.get_num_threads() if out.numel() >= ONE_THREAD else 1
     status = lib.remat_dequantize(qtype, rows.data_ptr(), len(rows), size, values, out.data_ptr(),
                                   dtype == torch.bfloat16, threads)
     return out if status == 0 else None
+
+
+class Buffers:
+    """Memory for the weights made here, used again once a weight made in it is freed.
+
+    remat's process returns every freed tensor over 256 KiB to the kernel (`core/process.py`), so each weight made
+    anew is fresh pages, and faulting them in cost more than making the values (SmolLM2, float32: 1.06 GB of
+    weights a step, ~260,000 page faults, most of the op's 0.66 s a step). A weight is made in a numpy buffer handed
+    to torch without a copy; when the last tensor on it is freed, the buffer comes back here (`weakref.finalize` on
+    the array the tensor holds) for the next weight of its size. At most `kept` bytes wait here unused: a weight
+    larger than that, or one more than fits, is freed as any tensor is."""
+
+    def __init__(self, kept: int):
+        self.kept, self.waiting = kept, 0
+        self.free: dict[int, list[np.ndarray]] = {}
+        self.lock = threading.Lock()
+
+    def take(self, nbytes: int) -> torch.Tensor:
+        with self.lock:
+            free = self.free.get(nbytes)
+            buffer = free.pop() if free else None
+            self.waiting -= nbytes if buffer is not None else 0
+        if buffer is None:
+            if nbytes > self.kept:
+                return torch.empty(nbytes, dtype=torch.uint8)
+            buffer = np.empty(nbytes, np.uint8)
+        lent = buffer[:]  # the tensor holds this view; its end gives the buffer back
+        weakref.finalize(lent, self._give_back, buffer)
+        return torch.from_numpy(lent)
+
+    def _give_back(self, buffer: np.ndarray) -> None:
+        with self.lock:
+            if self.waiting + buffer.nbytes <= self.kept:
+                self.free.setdefault(buffer.nbytes, []).append(buffer)
+                self.waiting += buffer.nbytes
+
+
+BUFFERS = Buffers(kept=16 << 20)

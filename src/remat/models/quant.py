@@ -9,6 +9,10 @@ The kernels are gguf-py's `gguf.quants.dequantize`, bit for bit (`tests/test_qua
 operations in the same order, NaN payloads included. Two places needed care: the CPU's half to float
 conversion (torch's) quiets a signalling NaN where numpy keeps its bits, so NaN scales are converted by their
 bits; and a product's NaN payload depends on its operand order, which follows gguf-py's.
+
+On a CPU the block types are made by the compiled kernels first (`remat.models.native`: the same values in one
+pass); these torch kernels make the rest (F16, BF16, F32; scales that are not finite; other devices; a machine
+without a C compiler).
 """
 
 from __future__ import annotations
@@ -167,7 +171,7 @@ def _q6_k(b: torch.Tensor) -> torch.Tensor:
     return (d * q.reshape(n, 16, 16)).reshape(n, QK_K)  # d * q
 
 
-# Weights dequantized at once into a narrower dtype: their float32 values (1 MiB) are cast while still in cache,
+# Weights the torch kernels make into a narrower dtype: their float32 values (1 MiB) are cast while still in cache,
 # and no float32 copy of the whole weight is made (SmolLM2's blocks into bfloat16, one thread: 0.19 s against 0.39
 # made whole and cast). Into float32, a weight is made whole: in pieces, their calls cost more than they saved.
 PIECE = 1 << 18
