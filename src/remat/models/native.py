@@ -32,8 +32,11 @@ Q = gguf.GGMLQuantizationType
 SOURCE = Path(__file__).with_name("dequantize.c")
 FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fPIC", "-shared", "-pthread")
 TYPES = frozenset({Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0, Q.Q4_K, Q.Q5_K, Q.Q6_K})
-# Under this many values a weight is made on one thread: starting one costs more than it saves.
-ONE_THREAD = 1 << 16
+# Under this many values (4 M: a weight of ~10 ms) a weight is made on one thread. A thread started right after a
+# torch op waits for the core that torch's own worker still spins on: SmolLM2's weights in a step took 0.9 ms each
+# on two threads, 0.2-0.4 on one (the step's dequantization 0.42 s -> 0.19 s, bfloat16); its 28 M-value head,
+# 29 ms on one, 21 on two.
+ONE_THREAD = 1 << 22
 
 __all__ = ["dequantize", "library"]
 
