@@ -38,7 +38,7 @@ TYPES = frozenset({Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0, Q.Q4_K, Q.Q5_K, Q.Q6_
 # 29 ms on one, 21 on two.
 ONE_THREAD = 1 << 22
 
-__all__ = ["dequantize", "library"]
+__all__ = ["BUFFERS", "Buffers", "dequantize", "library"]
 
 
 def _cache() -> Path:
