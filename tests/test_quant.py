@@ -155,6 +155,24 @@ def test_the_compiled_kernels_bit_for_bit(qtype, monkeypatch):
         torch.set_num_threads(threads)
 
 
+def test_the_kernels_built_without_avx512_bit_for_bit(monkeypatch, tmp_path):
+    """Q4_1 and Q8_0 have vector code for AVX-512 CPUs (this machine's): built for a CPU without it, the
+    per-element loop makes them, with the same values."""
+    monkeypatch.setattr(native, "FLAGS", tuple(f if f != "-march=native" else "-march=x86-64-v2" for f in native.FLAGS))
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    native.library.cache_clear()
+    try:
+        assert native.library() is not None
+        for qtype in (Q.Q4_1, Q.Q8_0):
+            raw = _finite_blocks(qtype, 1001, seed=7)
+            want = torch.from_numpy(gguf.quants.dequantize(raw, qtype).reshape(len(raw), -1))
+            for dtype, bits in ((torch.float32, torch.int32), (torch.bfloat16, torch.int16)):
+                got = native.dequantize(torch.from_numpy(raw), int(qtype), dtype)
+                assert got is not None and torch.equal(got.view(bits), want.to(dtype).view(bits)), (qtype, dtype)
+    finally:
+        native.library.cache_clear()
+
+
 @pytest.mark.parametrize("qtype", sorted(native.TYPES), ids=lambda q: Q(q).name)
 def test_a_scale_not_finite_leaves_the_weight_to_the_torch_kernels(qtype):
     raw = _finite_blocks(Q(qtype), 40, seed=5)

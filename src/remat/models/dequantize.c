@@ -113,6 +113,64 @@ static uint16_t bfloat16(float f) {  /* round to nearest even, as torch casts a 
     return (uint16_t)((u + 0x7FFF + ((u >> 16) & 1)) >> 16);
 }
 
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__F16C__)
+#include <immintrin.h>
+/* Q4_1 and Q8_0 (the default model's types) sixteen values at a time: the same float32 products and sums (one
+ * rounding each: intrinsics are not contracted), the same rounding to bfloat16, in integers. 1.6x the loop above
+ * into bfloat16 (SmolLM2's [1536, 576] Q4_1 weight: 215 -> 131 us, where writing the output bounds it). */
+#define VECTOR_TYPE(q) ((q) == Q4_1 || (q) == Q8_0)
+
+static inline float half_f16c(const uint8_t *p) { return _cvtsh_ss((unsigned short)(p[0] | p[1] << 8)); }
+
+static inline __m512i bf16_bits(__m512 y) {  /* `bfloat16` above, in each lane's low half */
+    const __m512i u = _mm512_castps_si512(y);
+    const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+    return _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7FFF)), odd), 16);
+}
+
+static inline void put32(__m512 a, __m512 b, void *out, int bf16) {  /* a block's 32 values: a's 16, then b's */
+    if (!bf16) {
+        _mm512_storeu_ps(out, a);
+        _mm512_storeu_ps((float *)out + 16, b);
+        return;
+    }
+    const __m512i low_halves = _mm512_set_epi16(62, 60, 58, 56, 54, 52, 50, 48, 46, 44, 42, 40, 38, 36, 34, 32,
+                                                30, 28, 26, 24, 22, 20, 18, 16, 14, 12, 10, 8, 6, 4, 2, 0);
+    _mm512_storeu_si512(out, _mm512_permutex2var_epi16(bf16_bits(a), low_halves, bf16_bits(b)));
+}
+
+static int vector_rows(int qtype, const uint8_t *blocks, int64_t first, int64_t count, void *out, int bf16) {
+    const int64_t esize = bf16 ? 2 : 4;
+    const __m128i nibble = _mm_set1_epi8(0x0F);
+    for (int64_t i = first; i < first + count; i++) {
+        char *o = (char *)out + i * 32 * esize;
+        if (qtype == Q4_1) {
+            const uint8_t *b = blocks + i * 20;
+            if (!finite_half(b) || !finite_half(b + 2)) return 1;
+            const __m512 d = _mm512_set1_ps(half_f16c(b)), m = _mm512_set1_ps(half_f16c(b + 2));
+            const __m128i q = _mm_loadu_si128((const __m128i *)(b + 4));
+            const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(q, nibble)));
+            const __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(q, 4), nibble)));
+            put32(_mm512_add_ps(_mm512_mul_ps(lo, d), m), _mm512_add_ps(_mm512_mul_ps(hi, d), m), o, bf16);
+        } else {  /* Q8_0 */
+            const uint8_t *b = blocks + i * 34;
+            if (!finite_half(b)) return 1;
+            const __m512 d = _mm512_set1_ps(half_f16c(b));
+            const __m512 x = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(b + 2))));
+            const __m512 y = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(b + 18))));
+            put32(_mm512_mul_ps(x, d), _mm512_mul_ps(y, d), o, bf16);
+        }
+    }
+    return 0;
+}
+#else
+#define VECTOR_TYPE(q) 0
+static int vector_rows(int qtype, const uint8_t *blocks, int64_t first, int64_t count, void *out, int bf16) {
+    (void)qtype, (void)blocks, (void)first, (void)count, (void)out, (void)bf16;
+    return -1;
+}
+#endif
+
 typedef struct {
     int qtype, bf16, status;
     int64_t first, count, size, values;
@@ -123,6 +181,10 @@ typedef struct {
 static void *run(void *arg) {
     job *w = arg;
     float y[256];
+    if (VECTOR_TYPE(w->qtype)) {
+        w->status = vector_rows(w->qtype, w->blocks, w->first, w->count, w->out, w->bf16);
+        return NULL;
+    }
     for (int64_t i = w->first; i < w->first + w->count; i++) {
         float *dst = w->bf16 ? y : (float *)w->out + i * w->values;
         int status = block(w->qtype, w->blocks + i * w->size, dst);
