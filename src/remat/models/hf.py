@@ -249,8 +249,7 @@ def model_loss(model: nn.Module, labels: torch.Tensor, loss_chunk: int = 0, n_ta
             if i == 0:
                 aux = getattr(out, "aux_loss", None)
             ce = cross_entropy(out.logits.flatten(0, 1), labels[:, once.piece].flatten(),
-                               reduction="sum" if (step < n or n_targets is not None) else "mean",
-                               save_log_probs=step >= n)  # one piece: its backward starts as it ends
+                               reduction="sum" if (step < n or n_targets is not None) else "mean")
             total = total + ce
     finally:
         parent._modules[name] = once.decoder
