@@ -151,6 +151,33 @@ def test_cli_lora_flag():
     assert (args.lora, args.path, args.walk) == (True, "walk", "truncated")
 
 
+@pytest.mark.skipif(not Path("/proc/self/pagemap").exists(), reason="resident pages are read from Linux's pagemap")
+def test_resident_bytes_are_the_pages_the_process_holds(tmp_path):
+    """What `resident_bytes` counts of a tensor follows the process's resident set: of a file mapped lazily (as
+    safetensors' weights are), the pages read, not those the page cache holds; of an allocation, the pages
+    written. The trainer takes it off the resident set after loading: what is left is the tokenizer's and the
+    loader's (`runtime`)."""
+    import os
+
+    import torch
+
+    from remat.core.process import resident, resident_bytes
+
+    mib = 1 << 20
+    path = tmp_path / "weights"
+    path.write_bytes(os.urandom(32 * mib))  # in the page cache now
+    mapped = torch.from_file(str(path), size=32 * mib, dtype=torch.uint8)
+    assert resident_bytes([mapped]) < mib
+    torch.zeros(8 * mib, dtype=torch.uint8)[-mib:].sum()  # the sum's own first-use memory (threads), before
+    before = resident()
+    assert mapped[: 8 * mib].sum() > 0  # read
+    grown, held = resident() - before, resident_bytes([mapped])
+    assert 8 * mib <= held < 9 * mib and abs(grown - held) < mib, (grown, held)
+    made = torch.empty(16 * mib, dtype=torch.uint8)
+    made[: 4 * mib] = 1
+    assert 4 * mib <= resident_bytes([made, made[5:]]) < 5 * mib  # a storage once, however many views
+
+
 @pytest.mark.skipif(not Path("/proc/self/clear_refs").exists(), reason="the process peak reads Linux's VmHWM")
 def test_process_peak_measures_the_step_not_the_heap_before():
     """Two variants interleaved in one process, as the bench runs them: eager, whose step frees ~25 MiB,

@@ -8,7 +8,10 @@ import contextlib
 import ctypes
 import functools
 import gc
+import os
+from collections.abc import Iterable
 
+import numpy as np
 import torch
 
 
@@ -74,6 +77,26 @@ def resident() -> int:
     """The process's resident set now (bytes): the `runtime` category, read before the model loads."""
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * (1 << 12)
+
+
+def resident_bytes(tensors: Iterable[torch.Tensor]) -> int:
+    """Bytes of these tensors' memory (each storage once) in the process's resident set now, by whole pages (the
+    present bit of `/proc/self/pagemap`): weights a file maps lazily (safetensors) count only as far as they were
+    read (a page of the file in the page cache is not the process's until it reads it). Where the pagemap cannot
+    be read, a storage counts whole."""
+    page = os.sysconf("SC_PAGE_SIZE")
+    storages = {(st.data_ptr(), st.nbytes()) for t in tensors if (st := t.untyped_storage()).nbytes()}
+    total = 0
+    try:
+        with open("/proc/self/pagemap", "rb") as f:
+            for ptr, size in storages:
+                first, last = ptr // page, (ptr + size - 1) // page
+                f.seek(first * 8)
+                entries = np.frombuffer(f.read((last - first + 1) * 8), np.uint64)
+                total += min(size, int((entries >> np.uint64(63)).sum()) * page)
+    except OSError:
+        return sum(size for _, size in storages)
+    return total
 
 
 def reset_process_peak() -> None:

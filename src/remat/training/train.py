@@ -20,8 +20,8 @@ from remat.base.files import staged
 from remat.base.settings import RematError, TrainSettings, UsageError, percentile
 from remat.core import devices, precision
 from remat.core.graph import StepInputs, TrainGraph
-from remat.core.plan import Measured, measure, value_bytes
-from remat.core.process import process_peak, resident, return_freed_memory, trim_heap
+from remat.core.plan import Measured, measure
+from remat.core.process import process_peak, resident, resident_bytes, return_freed_memory, trim_heap
 from remat.models import adapters
 from remat.models import load as models
 from remat.models.hf import UnsupportedModel
@@ -204,10 +204,11 @@ def _setup(s: TrainSettings, dp: distributed.Ranks, hooks: Hooks) -> _Run:
     s.optimizer_steps(len(windows))  # data too short for --accumulate: refused before tracing
     model = gate.with_lora(loaded.model, s, budget)
     dp.seed(s.seed)
-    # What loading left beside the weights (the tokenizer, the GGUF reader's residue) is the process's too; a model
-    # whose weights are mapped lazily (safetensors) keeps the measure from before it loaded.
-    runtime = max(runtime, resident() - value_bytes([t for t in (*model.parameters(), *model.buffers())
-                                                     if t.device.type == "cpu"]))
+    # What loading left beside the weights (the tokenizer, the GGUF reader's residue) is the process's too: the
+    # weights' resident pages are taken off, not their size (a file's weights mapped lazily, as safetensors are, are
+    # resident only as far as loading read them: the plans' `frozen` counts them whole)
+    runtime = max(runtime, resident() - resident_bytes(t for t in (*model.parameters(), *model.buffers())
+                                                       if t.device.type == "cpu"))
     admitted = _setup_gate(s, dp, model, budget, runtime, hooks)
     params = list(StepInputs.of(model).trainable.values())
     optimizer = dp.optimizer(params, lr=s.learning_rate, weight_decay=0.0)
