@@ -3,6 +3,8 @@ included), on random blocks with extreme and special scales and on every tensor 
 
 from __future__ import annotations
 
+import platform
+
 import gguf
 import numpy as np
 import pytest
@@ -155,6 +157,7 @@ def test_the_compiled_kernels_bit_for_bit(qtype, monkeypatch):
         torch.set_num_threads(threads)
 
 
+@pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="x86-64-v2 is an x86 target")
 def test_the_kernels_built_without_avx512_bit_for_bit(monkeypatch, tmp_path):
     """Q4_1 and Q8_0 have vector code for AVX-512 CPUs (this machine's): built for a CPU without it, the
     per-element loop makes them, with the same values."""
