@@ -190,10 +190,10 @@ def test_process_peak_measures_the_step_not_the_heap_before():
     import torch
 
     from remat.bench import compare as bench
-    from remat.core.process import return_freed_memory
+    from remat.core.process import reuse_freed_memory
     from remat.models import load as models
 
-    return_freed_memory()  # as run_bench does
+    reuse_freed_memory()  # as run_bench does
     base = models.load_model("tiny-llama", seed=0).model
     variants = [bench.eager_variant("eager", base, False),
                 bench.eager_variant("torch_checkpoint", copy.deepcopy(base), True)]

@@ -198,25 +198,3 @@ def test_without_a_compiler_the_torch_kernels_make_the_shipped_weights(monkeypat
         test_every_tensor_of_the_shipped_gguf()
     finally:
         native.library.cache_clear()
-
-
-def test_a_weights_memory_is_used_again_once_it_is_freed(monkeypatch):
-    """The compiled kernels make a weight in memory a freed weight of its size held (fresh pages cost more than the
-    values): not while any tensor on it lives, and never more than `kept` bytes wait unused."""
-    monkeypatch.setattr(native, "BUFFERS", native.Buffers(kept=1 << 20))
-    raw = torch.from_numpy(_finite_blocks(Q.Q8_0, 256, seed=6))  # 32 KiB of float32
-    first = native.dequantize(raw, int(Q.Q8_0), torch.float32)
-    view = first[3:]
-    at = first.data_ptr()
-    del first
-    second = native.dequantize(raw, int(Q.Q8_0), torch.float32)
-    assert second.data_ptr() != at  # a view of the first still lives
-    del view
-    third = native.dequantize(raw, int(Q.Q8_0), torch.float32)
-    assert third.data_ptr() == at and torch.equal(third, second)
-    buffers = native.Buffers(kept=3 * 1024)
-    lent = [buffers.take(1024) for _ in range(5)]
-    big = buffers.take(4096)
-    assert buffers.waiting == 0
-    del lent, big
-    assert buffers.waiting == 3 * 1024 and len(buffers.free[1024]) == 3 and 4096 not in buffers.free

@@ -47,7 +47,7 @@ from remat.bench.common import (
     training,
     x,
 )
-from remat.core.process import return_freed_memory
+from remat.core.process import reuse_freed_memory
 from remat.models import adapters
 from remat.models import load as models
 from remat.training import gate
@@ -93,7 +93,7 @@ def run_bench(model: str | None, ctx: int, batch: int = 1, steps: int = 3, path:
         if progress:
             print(f"bench: {text}", file=sys.stderr, flush=True)
 
-    return_freed_memory()  # as the trainer does: the process peaks follow what is live
+    reuse_freed_memory()  # as the trainer does: the process peaks follow what is live
     loaded = models.load_model(model, seed=seed, as_stored=lora)  # full fine-tuning trains float32 weights
     models.check_ctx(ctx, loaded.model.config)
     s = gate.settled(s, loaded.model.config)  # the loss chunk the trainer would choose

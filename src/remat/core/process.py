@@ -1,6 +1,7 @@
 """The process's own memory, as the kernel and the allocator see it: free memory, the resident set and its peak,
-and glibc's heap made to follow what is live. The plans' `runtime` and `trace` categories and every receipt's
-`process_peak` are measured here; the gate's default budget is the free memory read here."""
+glibc's heap and torch's freed tensors (kept for reuse: `reuse.cpp`) made to follow what is live. The plans'
+`runtime` and `trace` categories and every receipt's `process_peak` are measured here; the gate's default budget
+is the free memory read here."""
 
 from __future__ import annotations
 
@@ -9,10 +10,14 @@ import ctypes
 import functools
 import gc
 import os
+import sys
 from collections.abc import Iterable
+from pathlib import Path
 
 import numpy as np
 import torch
+
+from remat.core import compiled
 
 
 def available_memory(device: torch.device | str = "cpu") -> int:
@@ -38,27 +43,64 @@ def _libc() -> ctypes.CDLL | None:
         return None
 
 
-def return_freed_memory() -> None:
-    """Have glibc give large freed blocks (256 KiB and up) back to the kernel at once.
+_reusing: ctypes.CDLL | None = None  # the allocator of `reuse.cpp`, once torch allocates there
+
+
+def reuse_freed_memory() -> None:
+    """Have torch's freed CPU tensors of 256 KiB and up kept for the next tensor of their size, never past the most
+    ever live (`reuse.cpp`), and glibc give its own large freed blocks back to the kernel at once.
 
     By default glibc raises its mmap threshold as large blocks are freed (up to 32 MiB) and then serves
     them from its heap, which it cannot shrink past a live block: the process peak grows past what is live
     (SmolLM2 LoRA at ctx 1024, recompute on: 1,910 MiB against 1,303 with this set). 256 KiB, not 1 MiB: at ctx
     256 a layer's activations are 576 KiB (SmolLM2), and kept in the heap they grew the resident set by 90 MiB a step
-    (the demo: 965 MiB after its third step, 700 with 256 KiB; its peak 1,273 against 1,168). Elsewhere, a no-op."""
+    (the demo: 965 MiB after its third step, 700 with 256 KiB; its peak 1,273 against 1,168). A block given back is
+    fresh pages when next taken, and faulting them in was a third of a CPU step (the demo in bfloat16: ~345,000
+    faults a step, ~1.2 us each); torch's blocks are kept instead, as torch's CUDA allocator keeps them. Called at
+    the start of each job: what an earlier job kept is unmapped. Elsewhere (not Linux, no C++ compiler: said once),
+    the blocks go back to the kernel."""
     libc = _libc()
     if libc is not None:
         libc.mallopt(-3, 256 << 10)  # M_MMAP_THRESHOLD, which also turns the dynamic threshold off
+    global _reusing  # noqa: PLW0603 (torch's allocator is the process's: one, for good)
+    reuse = _reuse()
+    if reuse is not None and reuse.remat_reuse_install(ctypes.c_size_t(256 << 10)) == 0:
+        _reusing = reuse
+        reuse.remat_reuse_unmap_kept()  # a job starts from what is live: a server's last job kept its tensors
+
+
+@functools.cache
+def _reuse() -> ctypes.CDLL | None:
+    """The allocator of `reuse.cpp`, built against this torch, where the process runs on Linux."""
+    if sys.platform != "linux":
+        return None
+    torch_lib = Path(torch.__file__).parent / "lib"
+    abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
+    flags = ("-O2", "-std=c++17", "-fPIC", "-shared", f"-D_GLIBCXX_USE_CXX11_ABI={abi}",
+             f"-I{torch_lib.parent / 'include'}", f"-L{torch_lib}", "-lc10", f"-Wl,-rpath,{torch_lib}")
+    lib = compiled.load(Path(__file__).with_name("reuse.cpp"), flags, cpp=True, built_for=torch.__version__,
+                        what="the CPU memory reuse", without="freed tensors go back to the kernel, slower")
+    if lib is not None:
+        lib.remat_reuse_kept_bytes.restype = ctypes.c_size_t
+    return lib
+
+
+def kept_bytes() -> int:
+    """Bytes of freed tensors the process keeps for reuse now (0 where it keeps none)."""
+    return int(_reusing.remat_reuse_kept_bytes()) if _reusing is not None else 0
 
 
 def trim_heap() -> None:
-    """Collect garbage, then have glibc give the heap memory it holds freed back to the kernel (`malloc_trim(0)`,
-    every arena), so that the resident set is what is live. Where libc has no `malloc_trim`, only the collection.
+    """Collect garbage, then give back to the kernel the freed tensors kept for reuse and the heap memory glibc holds
+    freed (`malloc_trim(0)`, every arena), so that the resident set is what is live. Where libc has no
+    `malloc_trim`, only the collection and the kept tensors.
 
     Without it, a step that follows another in one process reuses the heap that step freed (tensors under
-    the 256 KiB mmap threshold of `return_freed_memory`) without growing the resident set: its process peak
+    the 256 KiB mmap threshold of `reuse_freed_memory`) without growing the resident set: its process peak
     above its start reads near 0 however much it allocates (the bench's interleaved variants)."""
     gc.collect()
+    if _reusing is not None:
+        _reusing.remat_reuse_unmap_kept()
     libc = _libc()
     if libc is not None and hasattr(libc, "malloc_trim"):
         libc.malloc_trim(0)
@@ -74,7 +116,11 @@ def keep_for_good() -> None:
 
 
 def resident() -> int:
-    """The process's resident set now (bytes): the `runtime` category, read before the model loads."""
+    """The process's resident set now (bytes), of what is live: the freed tensors kept for reuse are unmapped
+    first (an allocation the reading just freed would count otherwise). The `runtime` category, read before the
+    model loads."""
+    if _reusing is not None:
+        _reusing.remat_reuse_unmap_kept()
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * (1 << 12)
 

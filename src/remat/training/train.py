@@ -21,7 +21,7 @@ from remat.base.settings import RematError, TrainSettings, UsageError, percentil
 from remat.core import devices, precision
 from remat.core.graph import StepInputs, TrainGraph
 from remat.core.plan import Measured, measure
-from remat.core.process import process_peak, resident, resident_bytes, return_freed_memory, trim_heap
+from remat.core.process import process_peak, resident, resident_bytes, reuse_freed_memory, trim_heap
 from remat.models import adapters
 from remat.models import load as models
 from remat.models.hf import UnsupportedModel
@@ -184,7 +184,7 @@ def _setup(s: TrainSettings, dp: distributed.Ranks, hooks: Hooks) -> _Run:
     device = devices.resolve(s.device)  # a device this machine lacks: refused before anything is read or written
     s = s.model_copy(update={"device": str(device)})  # every plan and the receipt name the device the step runs on
     devices.prepare(device)
-    return_freed_memory()  # the process peak then follows what is live, as the plan counts it
+    reuse_freed_memory()  # the process peak then follows what is live, as the plan counts it
     runtime = resident()  # the process before the model: the plans' `runtime`; free memory excludes it
     # before the model takes its share
     budget = gate.Budget.of(s.memory_budget, ranks_here=dp.local_world_size, device=device)
