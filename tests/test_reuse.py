@@ -107,3 +107,16 @@ def test_memory_the_kernel_will_not_map_is_torchs_out_of_memory_error_and_the_pr
     """)
     assert got["said"].startswith("CPU allocator (remat): not enough memory: you tried to allocate 281474976710656")
     assert got["sum"] == 1 << 20
+
+
+def test_a_job_gives_back_what_it_kept_when_it_ends():
+    """A server lives on after a `/train` job: the tensors its steps freed are kept while it trains, then unmapped."""
+    got = _child("""
+        from remat.base.settings import TrainSettings
+        from remat.training.train import Hooks, finetune
+        during = []
+        s = TrainSettings(model="tiny-llama", ctx=1024, batch=2, steps=2, dtype="float32")
+        finetune(s, progress=False, hooks=Hooks(on_step=lambda event: during.append(process.kept_bytes())))
+        print(json.dumps({"during": during, "after": process.kept_bytes()}))
+    """)
+    assert min(got["during"]) > 1 << 20 and got["after"] == 0, got

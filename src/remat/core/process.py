@@ -57,8 +57,8 @@ def reuse_freed_memory() -> None:
     (the demo: 965 MiB after its third step, 700 with 256 KiB; its peak 1,273 against 1,168). A block given back is
     fresh pages when next taken, and faulting them in was a third of a CPU step (the demo in bfloat16: ~345,000
     faults a step, ~1.2 us each); torch's blocks are kept instead, as torch's CUDA allocator keeps them. Called at
-    the start of each job: what an earlier job kept is unmapped. Elsewhere (not Linux, no C++ compiler: said once),
-    the blocks go back to the kernel."""
+    the start of each job: what an earlier job kept is unmapped (and at its end: `give_back_kept`). Elsewhere
+    (not Linux, no C++ compiler: said once), the blocks go back to the kernel."""
     libc = _libc()
     if libc is not None:
         libc.mallopt(-3, 256 << 10)  # M_MMAP_THRESHOLD, which also turns the dynamic threshold off
@@ -66,7 +66,7 @@ def reuse_freed_memory() -> None:
     reuse = _reuse()
     if reuse is not None and reuse.remat_reuse_install(ctypes.c_size_t(256 << 10)) == 0:
         _reusing = reuse
-        reuse.remat_reuse_unmap_kept()  # a job starts from what is live: a server's last job kept its tensors
+        give_back_kept()  # a job starts from what is live
 
 
 @functools.cache
@@ -85,6 +85,13 @@ def _reuse() -> ctypes.CDLL | None:
     return lib
 
 
+def give_back_kept() -> None:
+    """Unmap the freed tensors kept for reuse: at a job's end (a server lives on) and before the resident set is
+    read as what is live."""
+    if _reusing is not None:
+        _reusing.remat_reuse_unmap_kept()
+
+
 def kept_bytes() -> int:
     """Bytes of freed tensors the process keeps for reuse now (0 where it keeps none)."""
     return int(_reusing.remat_reuse_kept_bytes()) if _reusing is not None else 0
@@ -99,8 +106,7 @@ def trim_heap() -> None:
     the 256 KiB mmap threshold of `reuse_freed_memory`) without growing the resident set: its process peak
     above its start reads near 0 however much it allocates (the bench's interleaved variants)."""
     gc.collect()
-    if _reusing is not None:
-        _reusing.remat_reuse_unmap_kept()
+    give_back_kept()
     libc = _libc()
     if libc is not None and hasattr(libc, "malloc_trim"):
         libc.malloc_trim(0)
@@ -119,8 +125,7 @@ def resident() -> int:
     """The process's resident set now (bytes), of what is live: the freed tensors kept for reuse are unmapped
     first (an allocation the reading just freed would count otherwise). The `runtime` category, read before the
     model loads."""
-    if _reusing is not None:
-        _reusing.remat_reuse_unmap_kept()
+    give_back_kept()
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * (1 << 12)
 

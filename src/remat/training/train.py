@@ -21,7 +21,14 @@ from remat.base.settings import RematError, TrainSettings, UsageError, percentil
 from remat.core import devices, precision
 from remat.core.graph import StepInputs, TrainGraph
 from remat.core.plan import Measured, measure
-from remat.core.process import process_peak, resident, resident_bytes, reuse_freed_memory, trim_heap
+from remat.core.process import (
+    give_back_kept,
+    process_peak,
+    resident,
+    resident_bytes,
+    reuse_freed_memory,
+    trim_heap,
+)
 from remat.models import adapters
 from remat.models import load as models
 from remat.models.hf import UnsupportedModel
@@ -121,8 +128,10 @@ def finetune(s: TrainSettings, *, progress: bool = True, hooks: Hooks | None = N
     """Train as `s` says and return the receipt; under torchrun, on every rank (see `remat.training.distributed`)."""
     distributed.from_env().local(s)  # a batch that does not split ends every rank before any joins (no race)
     with distributed.group(s.dist_timeout) as ranks:
-        run = _setup(s, ranks, hooks or Hooks())
-        return _train(run, progress=progress and ranks.is_main)
+        try:  # the run is _train's alone: freed when it returns, before what it freed is given back
+            return _train(_setup(s, ranks, hooks or Hooks()), progress=progress and ranks.is_main)
+        finally:
+            give_back_kept()  # the job's freed tensors: a server lives on after it
 
 
 @dataclass
