@@ -36,7 +36,6 @@ def test_a_freed_tensor_is_used_again_without_faulting_its_pages_in():
     freed block grown, its pages moved along, the rest faulted in. After `trim_heap`, every page is fresh."""
     got = _child("""
         process.reuse_freed_memory()
-        pages = lambda nbytes: nbytes // 4096
         out = {}
         a = made(4 << 20); at = a.data_ptr(); del a
         f = faults(); b = made(4 << 20); out["same"] = faults() - f; out["same_place"] = b.data_ptr() == at; del b

@@ -1,5 +1,5 @@
-// torch's CPU allocator for remat's processes (`remat.core.process.reuse_freed_memory`): a tensor's memory of
-// 256 KiB and up is its own mapping, kept when freed for the next tensor of its size, so that a step does not fault
+// torch's CPU allocator for remat's processes (`remat.core.process.reuse_freed_memory`): a tensor of 256 KiB and
+// up gets whole pages of its own (mmap), kept when freed for the next tensor of its size, so that a step does not fault
 // fresh pages in for every tensor it makes (a third of a CPU step before: ~1.2 us a page). Smaller ones are
 // torch's own allocator's (glibc's heap).
 //
