@@ -21,7 +21,7 @@ from pathlib import Path
 from remat.base.settings import Note
 
 
-def cache_folder() -> Path:
+def _cache_folder() -> Path:
     return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "remat"
 
 
@@ -46,7 +46,7 @@ def load(source: Path, flags: Sequence[str], *, cpp: bool, built_for: object, wh
         warnings.warn(f"no {'C++' if cpp else 'C'} compiler ({names[1]}): {without}", Note, stacklevel=3)
         return None
     key = hashlib.sha256(source.read_bytes() + repr((compiler, tuple(flags), built_for)).encode()).hexdigest()[:16]
-    path = cache_folder() / f"{source.stem}-{key}.so"
+    path = _cache_folder() / f"{source.stem}-{key}.so"
     try:
         if not path.exists():
             _build(compiler, source, flags, path)

@@ -56,9 +56,9 @@ def reuse_freed_memory() -> None:
     256 a layer's activations are 576 KiB (SmolLM2), and kept in the heap they grew the resident set by 90 MiB a step
     (the demo: 965 MiB after its third step, 700 with 256 KiB; its peak 1,273 against 1,168). A block given back is
     fresh pages when next taken, and faulting them in was a third of a CPU step (the demo in bfloat16: ~345,000
-    faults a step, ~1.2 us each); torch's blocks are kept instead, as torch's CUDA allocator keeps them. Called at
-    the start of each job: what an earlier job kept is unmapped (and at its end: `give_back_kept`). Elsewhere
-    (not Linux, no C++ compiler: said once), the blocks go back to the kernel."""
+    faults a step, ~1.2 us each); torch's blocks are kept instead, as torch's CUDA allocator keeps them, and
+    unmapped where a job ends and before the resident set is read (`give_back_kept`). Elsewhere (not Linux, no C++
+    compiler: said once), the blocks go back to the kernel."""
     libc = _libc()
     if libc is not None:
         libc.mallopt(-3, 256 << 10)  # M_MMAP_THRESHOLD, which also turns the dynamic threshold off
@@ -66,7 +66,6 @@ def reuse_freed_memory() -> None:
     reuse = _reuse()
     if reuse is not None and reuse.remat_reuse_install(ctypes.c_size_t(256 << 10)) == 0:
         _reusing = reuse
-        give_back_kept()  # a job starts from what is live
 
 
 @functools.cache
