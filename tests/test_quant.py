@@ -4,6 +4,7 @@ included), on random blocks with extreme and special scales and on every tensor 
 from __future__ import annotations
 
 import platform
+from pathlib import Path
 
 import gguf
 import numpy as np
@@ -145,7 +146,6 @@ def test_the_compiled_kernels_bit_for_bit(qtype, monkeypatch):
     raw = _finite_blocks(Q(qtype), 3001, seed=int(qtype))
     want = torch.from_numpy(gguf.quants.dequantize(raw, Q(qtype)).reshape(len(raw), -1))
     monkeypatch.setitem(quant._KERNELS, qtype, None)  # the torch kernel, were it called, would fail
-    monkeypatch.setattr(native, "ONE_THREAD", 0)
     threads = torch.get_num_threads()
     try:
         for n, dtype, bits in ((1, torch.float32, torch.int32), (3, torch.float32, torch.int32),
@@ -155,6 +155,15 @@ def test_the_compiled_kernels_bit_for_bit(qtype, monkeypatch):
             assert got.dtype == dtype and torch.equal(got.view(bits), want.to(dtype).view(bits)), (n, dtype)
     finally:
         torch.set_num_threads(threads)
+
+
+@pytest.mark.skipif(platform.system() != "Linux", reason="reads /proc/self/maps")
+def test_the_kernels_share_torchs_openmp_threads():
+    """The kernels' threads are the OpenMP team torch's ops run on (its libgomp, loaded once): a second runtime's
+    threads would wait for cores torch's workers still spin on after each op."""
+    assert native.library() is not None
+    gomp = {line.split()[-1] for line in Path("/proc/self/maps").read_text().splitlines() if "libgomp" in line}
+    assert len(gomp) == 1, gomp
 
 
 @pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="x86-64-v2 is an x86 target")

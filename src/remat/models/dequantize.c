@@ -6,10 +6,8 @@
  * finite are not made here (the call answers 1 and quant.py's torch kernels, which keep numpy's NaN payloads, make
  * the tensor): with finite scales no value is NaN, so no payload rule applies.
  *
- * Why not torch ops: a tensor of more than 256 KiB is a fresh mmap in remat's process (core/process.py), and this
- * machine's page faults cost ~0.3 ms a MiB; the torch kernels make three to five such tensors per weight, this one
- * writes the weight once. */
-#include <pthread.h>
+ * Why not torch ops: they make three to five weight-sized temporaries per weight, each written and read again;
+ * this writes the weight once (SmolLM2's [1536, 576] Q4_1 weight into bfloat16, torch's two threads: ~75 us). */
 #include <stdint.h>
 #include <string.h>
 
@@ -171,51 +169,38 @@ static int vector_rows(int qtype, const uint8_t *blocks, int64_t first, int64_t 
 }
 #endif
 
-typedef struct {
-    int qtype, bf16, status;
-    int64_t first, count, size, values;
-    const uint8_t *blocks;
-    void *out;
-} job;
-
-static void *run(void *arg) {
-    job *w = arg;
+/* Blocks first .. first + count - 1; 0, or 1 where a scale is not finite. */
+static int rows(int qtype, const uint8_t *blocks, int64_t first, int64_t count, int64_t size, int64_t values,
+                void *out, int bf16) {
+    if (VECTOR_TYPE(qtype)) return vector_rows(qtype, blocks, first, count, out, bf16);
     float y[256];
-    if (VECTOR_TYPE(w->qtype)) {
-        w->status = vector_rows(w->qtype, w->blocks, w->first, w->count, w->out, w->bf16);
-        return NULL;
+    for (int64_t i = first; i < first + count; i++) {
+        float *dst = bf16 ? y : (float *)out + i * values;
+        int status = block(qtype, blocks + i * size, dst);
+        if (status) return status;
+        if (bf16)
+            for (int64_t j = 0; j < values; j++) ((uint16_t *)out)[i * values + j] = bfloat16(y[j]);
     }
-    for (int64_t i = w->first; i < w->first + w->count; i++) {
-        float *dst = w->bf16 ? y : (float *)w->out + i * w->values;
-        int status = block(w->qtype, w->blocks + i * w->size, dst);
-        if (status) { w->status = status; return NULL; }
-        if (w->bf16)
-            for (int64_t j = 0; j < w->values; j++) ((uint16_t *)w->out)[i * w->values + j] = bfloat16(y[j]);
-    }
-    return NULL;
+    return 0;
 }
 
 /* `count` blocks of `size` bytes and `values` values each into `out` (float32, or bfloat16 where bf16 is set), on
- * `threads` threads. 0: done; 1: a scale is not finite (out is partly written); -1: not a type of this file. */
+ * `threads` threads of OpenMP's team: torch's own (the library links the libgomp torch loaded), so its workers,
+ * still spinning after torch's last op, take their share at once. 0: done; 1: a scale is not finite (out is partly
+ * written); -1: not a type of this file. */
 int remat_dequantize(int qtype, const uint8_t *blocks, int64_t count, int64_t size, int64_t values, void *out,
                      int bf16, int threads) {
     enum { MAX = 64 };
-    job jobs[MAX];
-    pthread_t ids[MAX];
-    int started[MAX] = {0}, status = 0;
+    int status[MAX] = {0};
     threads = threads < 1 ? 1 : threads > MAX ? MAX : threads;
     if (threads > count) threads = count > 1 ? (int)count : 1;
     const int64_t per = (count + threads - 1) / threads;
+#pragma omp parallel for num_threads(threads) schedule(static, 1)
     for (int t = 0; t < threads; t++) {
         const int64_t first = t * per, n = count - first < per ? count - first : per;
-        jobs[t] = (job){qtype, bf16, 0, first, n, size, values, blocks, out};
-        started[t] = t > 0 && pthread_create(&ids[t], NULL, run, &jobs[t]) == 0;
-        if (t > 0 && !started[t]) run(&jobs[t]);  /* no thread to be had: this one does its share */
+        if (n > 0) status[t] = rows(qtype, blocks, first, n, size, values, out, bf16);
     }
-    run(&jobs[0]);
-    for (int t = 0; t < threads; t++) {
-        if (started[t]) pthread_join(ids[t], NULL);
-        if (jobs[t].status && !status) status = jobs[t].status;
-    }
-    return status;
+    for (int t = 0; t < threads; t++)
+        if (status[t]) return status[t];
+    return 0;
 }

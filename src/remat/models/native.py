@@ -1,10 +1,10 @@
 """The compiled dequantization kernels (`dequantize.c`): built once per machine with its C compiler, called by ctypes.
 
 `remat::dequantize` (`remat.models.quant`) makes a block type's weight here when it can: one pass that writes the
-weight once, in float32 or bfloat16, on torch's thread count. Where it cannot (no C compiler, a failed build, a
-scale that is not finite, another dtype or device) it answers None and the torch kernels make the weight: the same
-values, bit for bit (tests/test_quant.py holds both to gguf-py). The library is built for this CPU (`-march=native`,
-its features in the build's key: `remat.core.compiled`).
+weight once, in float32 or bfloat16, on torch's threads (the OpenMP team torch's ops run on). Where it cannot (no C
+compiler, a failed build, a scale that is not finite, another dtype or device) it answers None and the torch kernels
+make the weight: the same values, bit for bit (tests/test_quant.py holds both to gguf-py). The library is built for
+this CPU (`-march=native`, its features in the build's key: `remat.core.compiled`).
 """
 
 from __future__ import annotations
@@ -20,13 +20,8 @@ from remat.core import compiled, precision
 
 Q = gguf.GGMLQuantizationType
 SOURCE = Path(__file__).with_name("dequantize.c")
-FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fPIC", "-shared", "-pthread")
+FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fPIC", "-shared", "-fopenmp")
 TYPES = frozenset({Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0, Q.Q4_K, Q.Q5_K, Q.Q6_K})
-# Under this many values (4 M: a weight of ~10 ms) a weight is made on one thread. A thread started right after a
-# torch op waits for the core that torch's own worker still spins on: SmolLM2's weights in a step took 0.9 ms each
-# on two threads, 0.2-0.4 on one (the step's dequantization 0.42 s -> 0.19 s, bfloat16); its 28 M-value head,
-# 29 ms on one, 21 on two.
-ONE_THREAD = 1 << 22
 
 __all__ = ["dequantize", "library"]
 
@@ -54,7 +49,6 @@ def dequantize(rows: torch.Tensor, qtype: int, dtype: torch.dtype) -> torch.Tens
     values, size = gguf.GGML_QUANT_SIZES[Q(qtype)]
     rows = rows.contiguous()
     out = torch.empty(len(rows), values, dtype=dtype)
-    threads = torch.get_num_threads() if out.numel() >= ONE_THREAD else 1
     status = lib.remat_dequantize(qtype, rows.data_ptr(), len(rows), size, values, out.data_ptr(),
-                                  dtype == torch.bfloat16, threads)
+                                  dtype == torch.bfloat16, torch.get_num_threads())
     return out if status == 0 else None
