@@ -44,6 +44,7 @@ def _libc() -> ctypes.CDLL | None:
 
 
 _reusing: ctypes.CDLL | None = None  # the allocator of `reuse.cpp`, once torch allocates there
+LARGE = 256 << 10  # bytes from which a block is a mapping of its own: glibc's (mmap) and torch's tensors (reuse.cpp)
 
 
 def reuse_freed_memory() -> None:
@@ -61,10 +62,10 @@ def reuse_freed_memory() -> None:
     compiler: said once), the blocks go back to the kernel."""
     libc = _libc()
     if libc is not None:
-        libc.mallopt(-3, 256 << 10)  # M_MMAP_THRESHOLD, which also turns the dynamic threshold off
+        libc.mallopt(-3, LARGE)  # M_MMAP_THRESHOLD, which also turns the dynamic threshold off
     global _reusing  # noqa: PLW0603 (torch's allocator is the process's: one, for good)
     reuse = _reuse()
-    if reuse is not None and reuse.remat_reuse_install(ctypes.c_size_t(256 << 10)) == 0:
+    if reuse is not None and reuse.remat_reuse_install(ctypes.c_size_t(LARGE)) == 0:
         _reusing = reuse
 
 
