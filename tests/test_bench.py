@@ -211,3 +211,19 @@ def test_process_peak_measures_the_step_not_the_heap_before():
         assert v.measured_peak is not None and v.measured_peak > 8 * 2**20
         assert len(v.process_peaks) == 2 and len(v.seconds) == len(v.losses) == 3
         assert min(v.process_peaks) >= v.measured_peak / 2, (v.name, v.process_peaks, v.measured_peak)
+
+
+def test_precision_bench_files_are_its_runs_and_its_as_filed_commit_is_here():
+    """The committed precision bench (`python -m remat.bench.precision`): its summary and Markdown are what its raw
+    runs give (neither edited by hand), its float32 variants' losses one sequence, and the commit it runs as filed is
+    in this repository's history (a worktree of it can be made)."""
+    import subprocess
+
+    from remat.bench import peers, precision
+
+    res = json.loads((precision.OUT / "bench.json").read_text())
+    assert precision.summary(res["runs"]) == res["summary"]
+    assert (precision.OUT / "bench.md").read_text() == precision.markdown(res)
+    assert precision.same_losses(res["runs"]) and res["same_losses"]
+    assert {r["variant"] for rnd in res["runs"] for r in rnd} == set(precision.VARIANTS)
+    subprocess.run(["git", "-C", str(peers.ROOT), "cat-file", "-e", f"{precision.AS_FILED}^{{commit}}"], check=True)

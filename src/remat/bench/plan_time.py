@@ -77,6 +77,10 @@ def worktree(rev: str, dest: Path) -> Path:
     return dest
 
 
+def remove_worktree(src: Path) -> None:
+    subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(src)], check=False)
+
+
 def measure(checkouts: dict[str, Path], args: list[str], env: dict, rounds: int, limit: float,
             key: str = "plans") -> tuple[dict, dict]:
     """Each checkout's runs of one case, interleaved (a checkout that timed out is not run again), and the
@@ -128,7 +132,7 @@ def main(argv: list[str] | None = None) -> int:
                               "same_plan": plans["before"] == plans["after"] if same else None})
         finally:
             for src in [*checkouts.values(), *([reference] if reference else [])]:
-                subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(src)], check=False)
+                remove_worktree(src)
     after_rev = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", args.after], capture_output=True,
                                text=True, check=True).stdout.strip()
     res = {"before": args.before, "after": after_rev, "same_plan_as": args.same_plan_as or args.before,
