@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -217,8 +218,6 @@ def test_precision_bench_files_are_its_runs_and_its_as_filed_commit_is_here():
     """The committed precision bench (`python -m remat.bench.precision`): its summary and Markdown are what its raw
     runs give (neither edited by hand), its float32 variants' losses one sequence, and the commit it runs as filed is
     in this repository's history (a worktree of it can be made)."""
-    import subprocess
-
     from remat.bench import peers, precision
 
     res = json.loads((precision.OUT / "bench.json").read_text())

@@ -131,10 +131,10 @@ def plot(res: dict, dest: Path) -> None:
     s, mib = res["summary"], 1 << 20
     fig, (a, b) = plt.subplots(1, 2, figsize=(10, 3.4))
     colours = ["tab:brown", "tab:gray", "tab:blue", "tab:green"]
-    a.barh(VARIANTS, [(s[v]["peak_rss"] or 0) / mib for v in VARIANTS], color=colours, label="process peak")
+    a.barh(VARIANTS, [(s[v]["peak_rss"] or 0) / mib for v in VARIANTS], color=colours)
     a.scatter([(s[v]["planned_total"] or 0) / mib for v in VARIANTS], VARIANTS, color="black", zorder=3,
               label="planned total")
-    a.set_xlabel("MiB")
+    a.set_xlabel("process peak MiB (bars)")
     a.legend(fontsize=8)
     b.barh(VARIANTS, [s[v]["tokens_per_second"] or 0 for v in VARIANTS], color=colours)
     b.set_xlabel("tokens/s (median of rounds)")
@@ -145,6 +145,7 @@ def plot(res: dict, dest: Path) -> None:
 
 
 def run_rounds(a: argparse.Namespace, folder: Path, as_filed: Path) -> list[list[dict]]:
+    """Every variant once a round, in fresh processes, the order turned round by round."""
     rounds: list[list[dict]] = []
     for i in range(a.rounds):
         turn = i % len(VARIANTS)
